@@ -1,0 +1,97 @@
+"""Paged attention, PyTorch reference path: the CPU implementation and the oracle for the
+Triton kernels. Both paths share `AttentionMetadata` and the KV-cache layout."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from lab.engine.attention_metadata import AttentionMetadata
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write this step's K/V ([T, KVH, D]) into the caches, then return attention output
+        [T, H, D] for queries q ([T, H, D])."""
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    kvh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    kvh, d = cache.shape[-2:]
+    out = cache.view(-1, kvh, d)[slots]
+    return out.to(dtype) if out.dtype != dtype else out
+
+
+def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots [nd, max_ctx] and validity mask of the decode sequences, built once per step."""
+    cached = meta.scratch.get("torch_decode_index")
+    if cached is not None:
+        return cached
+    nd = meta.num_decodes
+    max_ctx = max(meta.context_lens_cpu[:nd])
+    device = meta.block_tables.device
+    pos = torch.arange(max_ctx, device=device)
+    blocks = meta.block_tables[:nd, pos // block_size].long()
+    slots = blocks * block_size + (pos % block_size)
+    mask = pos[None, :] < meta.context_lens[:nd, None]
+    meta.scratch["torch_decode_index"] = (slots, mask)
+    return slots, mask
+
+
+class TorchAttention:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        block_size = k_cache.shape[1]
+        nd = meta.num_decodes
+        if nd:
+            slots, mask = _decode_index(meta, block_size)
+            kd = gather_kv(k_cache, slots, q.dtype).transpose(1, 2)  # [nd, KVH, max_ctx, D]
+            vd = gather_kv(v_cache, slots, q.dtype).transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], scale=scale,
+                                                enable_gqa=True)
+            out[:nd] = od.squeeze(2)
+        start = nd
+        for i in range(nd, meta.num_seqs):
+            qlen, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
+            end = start + qlen
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]
+            if ctx == qlen:
+                # No cached prefix: attend to this chunk's own K/V, causally.
+                ki = k[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                vi = v[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                if k_cache.dtype in FP8_DTYPES:
+                    # Match what a later read of the cache would see.
+                    ki = ki.to(k_cache.dtype).to(q.dtype)
+                    vi = vi.to(v_cache.dtype).to(q.dtype)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                pos = torch.arange(ctx, device=q.device)
+                table = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
+                slots = table[pos // block_size] * block_size + pos % block_size
+                ki = gather_kv(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+                vi = gather_kv(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+                qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+                mask = pos[None, :] <= qpos[:, None]
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = oi.squeeze(0).transpose(0, 1)
+            start = end
+        return out

@@ -1,0 +1,188 @@
+"""The engine's knobs: one frozen object, settable by flag or environment, with a stable hash.
+
+This module imports nothing heavy (no torch) so that the lab can validate a ladder's flags
+against the engine's knobs without loading the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENV_PREFIX = "LAB_ENGINE_"
+
+
+class ConfigError(ValueError):
+    """A knob value the engine cannot run with; the message is one actionable line."""
+
+
+def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that changes what the engine computes or how fast; hashed as a whole."""
+
+    model: str = _knob("smollm2-135m", "model: smollm2-135m, a .gguf path, a Hugging Face directory, or dummy:<preset>")
+    dtype: str = _knob("auto", "weights and activations dtype (auto = float32 on CPU, bfloat16 on CUDA)",
+                       ("auto", "float32", "bfloat16", "float16"))
+    device: str = _knob("auto", "where to run (auto = cuda when available)", ("auto", "cpu", "cuda"))
+    seed: int = _knob(0, "seed for dummy weights and for requests that give no seed")
+    max_model_len: int = _knob(0, "longest prompt+output in tokens (0 = the model's context length)")
+    block_size: int = _knob(16, "tokens per KV-cache block")
+    num_kv_blocks: int = _knob(0, "KV pool size in blocks (0 = derive from kv_cache_memory_bytes)")
+    kv_cache_memory_bytes: int = _knob(0, "KV pool size in bytes (0 = 1 GiB on CPU, gpu_memory_utilization on CUDA)")
+    gpu_memory_utilization: float = _knob(0.9, "fraction of GPU memory the engine may take (weights + KV + scratch)")
+    kv_cache_dtype: str = _knob("auto", "KV-cache element type (auto = the model dtype)", ("auto", "fp8"))
+    max_num_batched_tokens: int = _knob(2048, "token budget of one engine step (decodes + prefill chunks)")
+    max_num_seqs: int = _knob(256, "most sequences running at once")
+    long_prefill_token_threshold: int = _knob(0, "most prompt tokens one request may prefill in one step (0 = no cap)")
+    max_parallel_prefills: int = _knob(0, "most requests prefilling in one step (0 = no cap)")
+    enable_prefix_caching: bool = _knob(True, "reuse KV blocks of identical prompt prefixes")
+    prefix_cache_retention: int = _knob(-1, "cached blocks kept once no request uses them, LRU (-1 = all that fit)")
+    schedule_policy: str = _knob("decode-first", "which work a step takes first", ("decode-first", "prefill-first"))
+    max_waiting: int = _knob(1024, "requests allowed to wait for a slot; beyond it new requests get 503")
+    attention_backend: str = _knob("auto", "attention implementation (auto = triton on CUDA, torch on CPU)",
+                                   ("auto", "torch", "triton"))
+    cuda_graphs: bool = _knob(True, "capture decode steps as CUDA graphs (CUDA only)")
+    cuda_graph_max_batch_size: int = _knob(256, "largest decode batch captured as a CUDA graph")
+    max_logprobs: int = _knob(20, "most top_logprobs a request may ask for")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def hash(self) -> str:
+        return config_hash(self.to_dict())
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def config_hash(values: Mapping[str, Any]) -> str:
+    """Stable 16-hex digest of a knob mapping; the lab recomputes it to check what booted."""
+    blob = json.dumps(dict(values), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+KNOBS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def flag_name(knob: str) -> str:
+    return "--" + knob.replace("_", "-")
+
+
+def env_name(knob: str) -> str:
+    return ENV_PREFIX + knob.upper()
+
+
+def knob_from_flag(flag: str) -> str | None:
+    """`max-num-batched-tokens` / `--max-num-batched-tokens` -> `max_num_batched_tokens`, or None."""
+    name = flag.lstrip("-").replace("-", "_")
+    return name if name in KNOBS else None
+
+
+def knob_from_env(var: str) -> str | None:
+    if not var.startswith(ENV_PREFIX):
+        return None
+    name = var[len(ENV_PREFIX):].lower()
+    return name if name in KNOBS else None
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"expected true or false, got {text!r}")
+
+
+def coerce(knob: str, value: Any) -> Any:
+    """Convert a flag/env/YAML value to the knob's type, or raise ConfigError naming the knob."""
+    f = KNOBS[knob]
+    kind = type(f.default)
+    try:
+        if kind is bool:
+            return parse_bool(value)
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(str(value).replace("_", "")) if isinstance(value, str) else int(value)
+        if kind is float:
+            return float(value)
+        return str(value)
+    except (ValueError, ConfigError):
+        raise ConfigError(f"{flag_name(knob)}: expected {kind.__name__}, got {value!r}") from None
+
+
+def validate(cfg: EngineConfig) -> None:
+    for name, f in KNOBS.items():
+        choices = f.metadata.get("choices")
+        value = getattr(cfg, name)
+        if choices and value not in choices:
+            raise ConfigError(f"{flag_name(name)}: {value!r} is not one of {', '.join(choices)}")
+    positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_logprobs", "cuda_graph_max_batch_size")
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
+    non_negative = ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "long_prefill_token_threshold",
+                    "max_parallel_prefills", "max_waiting")
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.block_size & (cfg.block_size - 1):
+        raise ConfigError(f"--block-size must be a power of two, got {cfg.block_size}")
+    if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
+    if cfg.prefix_cache_retention < -1:
+        raise ConfigError(f"--prefix-cache-retention must be -1 (all) or >= 0, got {cfg.prefix_cache_retention}")
+
+
+def from_sources(flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> EngineConfig:
+    """Build the effective config: flags override LAB_ENGINE_* variables, which override defaults.
+
+    `flags` maps knob or flag names (`max-num-batched-tokens`) to values. Unknown names raise.
+    """
+    values: dict[str, Any] = {}
+    for var, raw in (environ or {}).items():
+        knob = knob_from_env(var)
+        if knob is None:
+            if var.startswith(ENV_PREFIX):
+                raise ConfigError(f"{var}: no such engine knob")
+            continue
+        values[knob] = coerce(knob, raw)
+    for name, raw in (flags or {}).items():
+        knob = knob_from_flag(name)
+        if knob is None:
+            raise ConfigError(f"{flag_name(name.lstrip('-').replace('_', '-'))}: no such engine flag")
+        values[knob] = coerce(knob, raw)
+    return EngineConfig(**values)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one `--knob VALUE` option per knob; bools also accept a bare `--knob`."""
+    group = parser.add_argument_group("engine knobs (also LAB_ENGINE_<NAME>)")
+    for name, f in KNOBS.items():
+        kind = type(f.default)
+        extra: dict[str, Any] = {}
+        if kind is bool:
+            extra = {"nargs": "?", "const": "true", "metavar": "BOOL"}
+        group.add_argument(flag_name(name), dest=f"knob_{name}", default=None,
+                           help=f"{f.metadata['help']} [default: {f.default}]", **extra)
+
+
+def from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> EngineConfig:
+    flags = {name: getattr(ns, f"knob_{name}") for name in KNOBS if getattr(ns, f"knob_{name}", None) is not None}
+    return from_sources(flags, os.environ if environ is None else environ)
