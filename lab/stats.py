@@ -1,0 +1,248 @@
+"""The statistics behind verdicts: paired pass/fail tests, ratio intervals, rank tests, drift.
+
+Pure functions over plain numbers (no store, no I/O) so that `lab compare`, the KEEP rule and the
+reports all compute the same figures. Formulas follow `research/method.md` section 5.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+from scipy import stats as _scipy_stats
+
+# Above this many (n1 * n2) pairs the exact Mann-Whitney distribution costs more than it is worth:
+# the normal approximation is already accurate to well under 1e-3 there.
+_EXACT_U_MAX_PAIRS = 2500
+
+# Bootstrap resamples are medianed in blocks of at most this many drawn indices, so that a long
+# sample (thousands of per-request latencies) does not need a resamples x n matrix at once.
+_BOOTSTRAP_BLOCK_ELEMENTS = 1 << 20
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p for discordant pairs: b broke (control pass, arm fail), c fixed.
+
+    Under the null each discordant pair is a fair coin, so b ~ Bin(b + c, 1/2) and
+    p = min(1, 2 * sum_{i <= min(b, c)} C(n, i) / 2^n). Computed in exact rationals so that large
+    task sets do not lose the tail to floating-point cancellation. b = c = 0 gives 1.0.
+    """
+    if b < 0 or c < 0:
+        raise ValueError(f"McNemar counts must be non-negative, got broke={b}, fixed={c}")
+    n = b + c
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
+    return float(min(Fraction(1), Fraction(2 * tail, 2**n)))
+
+
+@dataclass(frozen=True)
+class PairedCounts:
+    """Per-task pass/fail of an arm against its control, over the tasks both of them ran."""
+
+    both_pass: int
+    both_fail: int
+    broke: int  # passed on the control, failed on the arm
+    fixed: int  # failed on the control, passed on the arm
+    n: int  # tasks present on both sides (the four cells above add up to it)
+    missing: tuple[str, ...]  # task ids present on only one side, sorted
+
+    @property
+    def p_value(self) -> float:
+        """Exact McNemar p of broke vs fixed."""
+        return mcnemar_exact(self.broke, self.fixed)
+
+    def summary(self) -> str:
+        """One line for a gate's detail, e.g. '3 broke, 0 fixed, p=0.25'."""
+        text = f"{self.broke} broke, {self.fixed} fixed, p={self.p_value:.3g}"
+        if self.missing:
+            text += f", {len(self.missing)} task(s) on one side only"
+        return text
+
+
+def paired_counts(control: Mapping[str, bool], arm: Mapping[str, bool]) -> PairedCounts:
+    """Cross-tabulate task outcomes; tasks run on only one side are listed in `missing`."""
+    shared = control.keys() & arm.keys()
+    cells = {"both_pass": 0, "both_fail": 0, "broke": 0, "fixed": 0}
+    for task in shared:
+        on_control, on_arm = bool(control[task]), bool(arm[task])
+        if on_control and on_arm:
+            cells["both_pass"] += 1
+        elif not on_control and not on_arm:
+            cells["both_fail"] += 1
+        elif on_control:
+            cells["broke"] += 1
+        else:
+            cells["fixed"] += 1
+    missing = tuple(sorted(control.keys() ^ arm.keys()))
+    return PairedCounts(n=len(shared), missing=missing, **cells)
+
+
+def median_of_repeats(values: Sequence[float]) -> float:
+    """The value one boot contributes for one metric: the median of its repeats."""
+    array = _finite_array(values, "repeats")
+    if array.size == 0:
+        raise ValueError("no repeats to take a median of")
+    return float(np.median(array))
+
+
+@dataclass(frozen=True)
+class Interval:
+    estimate: float
+    low: float
+    high: float
+    method: str
+    confidence: float
+
+
+def bootstrap_ratio_of_medians(a: Sequence[float], b: Sequence[float], n_resamples: int = 10_000,
+                               confidence: float = 0.95, seed: int = 0) -> Interval:
+    """Percentile bootstrap interval (not BCa) for median(a) / median(b), resampling each side alone.
+
+    Determinism and symmetry: two index streams U and V are drawn from `seed`, and every draw
+    contributes both median(a[U]) / median(b[V]) and median(a[V]) / median(b[U]) (2 * n_resamples
+    ratios). Swapping a and b therefore yields exactly the reciprocal ratios, so
+    compare(A, B) and compare(B, A) report reciprocal intervals for the same seed. Indices come
+    from integers in [0, n_a * n_b) reduced modulo each side's size, which is uniform on both.
+    The bounds are order statistics (no interpolation) so that the mirroring is exact too.
+    """
+    x = _finite_array(a, "a")
+    y = _finite_array(b, "b")
+    if x.size < 2 or y.size < 2:
+        raise ValueError(f"a bootstrap interval needs at least 2 samples per side, got {x.size} and {y.size}")
+    if (x <= 0).any() or (y <= 0).any():
+        raise ValueError("a ratio of medians needs positive values on both sides")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be between 0 and 1, got {confidence}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be at least 1, got {n_resamples}")
+
+    rng = np.random.default_rng(seed)
+    width = max(x.size, y.size)
+    modulus = x.size * y.size
+    rows_per_block = max(1, _BOOTSTRAP_BLOCK_ELEMENTS // width)
+    ratios = []
+    for start in range(0, n_resamples, rows_per_block):
+        rows = min(rows_per_block, n_resamples - start)
+        u = rng.integers(0, modulus, size=(rows, width))
+        v = rng.integers(0, modulus, size=(rows, width))
+        x_u, y_u = _resampled_medians(x, u), _resampled_medians(y, u)
+        x_v, y_v = _resampled_medians(x, v), _resampled_medians(y, v)
+        ratios.append(x_u / y_v)
+        ratios.append(x_v / y_u)
+    ordered = np.sort(np.concatenate(ratios))
+    k = math.floor((1 - confidence) / 2 * ordered.size)
+    return Interval(estimate=float(np.median(x) / np.median(y)), low=float(ordered[k]),
+                    high=float(ordered[ordered.size - 1 - k]), confidence=confidence,
+                    method=f"percentile bootstrap (not BCa), {2 * n_resamples} resampled ratios, seed {seed}")
+
+
+def _resampled_medians(values: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    return np.median(values[draws[:, :values.size] % values.size], axis=1)
+
+
+@dataclass(frozen=True)
+class MannWhitney:
+    u: float  # U of the first sample: pairs (a_i, b_j) with a_i > b_j, ties counting one half
+    p: float  # two-sided
+    method: str
+
+
+def mann_whitney(a: Sequence[float], b: Sequence[float]) -> MannWhitney:
+    """Two-sided Mann-Whitney U test.
+
+    Exact null distribution when there are no ties and n_a * n_b <= 2500; otherwise the normal
+    approximation with the tie-corrected variance and a 0.5 continuity correction. `method`
+    names which one was used. Check `min_reachable_p` before reading a large p as "no effect".
+    """
+    x = _finite_array(a, "a")
+    y = _finite_array(b, "b")
+    if x.size == 0 or y.size == 0:
+        raise ValueError(f"Mann-Whitney needs at least 1 sample per side, got {x.size} and {y.size}")
+    n1, n2 = x.size, y.size
+    pooled = np.concatenate([x, y])
+    ranks = _scipy_stats.rankdata(pooled)
+    u = float(ranks[:n1].sum() - n1 * (n1 + 1) / 2)
+    _, tie_sizes = np.unique(pooled, return_counts=True)
+    has_ties = bool((tie_sizes > 1).any())
+
+    if not has_ties and n1 * n2 <= _EXACT_U_MAX_PAIRS:
+        # The distribution is symmetric about n1*n2/2, so the two-sided p doubles the lower tail
+        # at the smaller of U and its mirror.
+        counts = _u_null_counts(n1, n2)
+        lower = int(min(u, n1 * n2 - u))
+        p = min(Fraction(1), Fraction(2 * sum(counts[:lower + 1]), math.comb(n1 + n2, n1)))
+        return MannWhitney(u=u, p=float(p), method="exact")
+
+    n = n1 + n2
+    tie_term = float((tie_sizes.astype(float) ** 3 - tie_sizes).sum())
+    variance = n1 * n2 / 12 * ((n + 1) - tie_term / (n * (n - 1)))
+    method = "normal approximation, tie-corrected" if has_ties else "normal approximation"
+    if variance <= 0:
+        # Every value is equal: the samples carry no evidence of a difference.
+        return MannWhitney(u=u, p=1.0, method=method)
+    z = (abs(u - n1 * n2 / 2) - 0.5) / math.sqrt(variance)
+    return MannWhitney(u=u, p=float(min(1.0, 2 * _scipy_stats.norm.sf(z))), method=method)
+
+
+def _u_null_counts(n1: int, n2: int) -> list[int]:
+    """How many of the C(n1+n2, n1) rank orderings give each U = 0 .. n1*n2.
+
+    These are the coefficients of the Gaussian binomial [n1+n2 choose n1]_q, built as
+    prod_{i=1..n1} (1 - q^(n2+i)) / (1 - q^i); each partial product is itself a Gaussian binomial,
+    so every division is exact and the coefficients stay integers.
+    """
+    small, large = sorted((n1, n2))
+    coeffs = [1]
+    for i in range(1, small + 1):
+        shift = large + i
+        product = coeffs + [0] * shift
+        for j, c in enumerate(coeffs):
+            product[j + shift] -= c
+        for j in range(i, len(product)):
+            product[j] += product[j - i]
+        coeffs = product[:i * large + 1]
+    return coeffs
+
+
+def min_reachable_p(n1: int, n2: int) -> float:
+    """Smallest two-sided exact Mann-Whitney p for these sample sizes: 2 / C(n1+n2, n1), at most 1.
+
+    3 vs 3 gives 0.1, so no outcome of three repeats per side can pass alpha = 0.05.
+    """
+    if n1 < 1 or n2 < 1:
+        raise ValueError(f"sample sizes must be at least 1, got {n1} and {n2}")
+    return min(1.0, 2 / math.comb(n1 + n2, n1))
+
+
+def noise_band(first_control: float, last_control: float) -> float:
+    """How far the two bracketing controls of a window disagree: |a - b| / mean, a fraction.
+
+    This is the noise floor of the window: an arm's change smaller than it is indistinguishable
+    from the drift between the controls.
+    """
+    if first_control == last_control:
+        return 0.0
+    mean = (first_control + last_control) / 2
+    if mean == 0:
+        raise ValueError("controls average to 0: their relative difference is undefined")
+    return abs(first_control - last_control) / abs(mean)
+
+
+def relative_delta(arm: float, reference: float) -> float:
+    """Signed relative change of `arm` from `reference`, in percent (+5.0 means 5 % higher).
+
+    Divides by |reference| so the sign always follows the direction of the change. Multiplies
+    before dividing so that round figures (102 vs 100) give exact percentages (2.0).
+    """
+    if reference == 0:
+        raise ValueError("relative change against a reference of 0 is undefined")
+    return (arm - reference) * 100 / abs(reference)
+
+
+def _finite_array(values: Sequence[float], name: str) -> np.ndarray:
+    array = np.asarray(values, dtype=float).ravel()
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name} contains a non-finite value (NaN or infinity)")
+    return array
