@@ -1,0 +1,181 @@
+"""The synchronous engine: admit requests, run steps (schedule → forward → sample → outputs).
+Single-threaded by design; the async server drives it from one thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lab.engine.block_manager import BlockManager
+from lab.engine.config import ConfigError, EngineConfig
+from lab.engine.loader import LoadedModel, load_model
+from lab.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
+from lab.engine.output_processor import OutputProcessor, RequestOutput
+from lab.engine.sampling_params import BadRequestError, SamplingParams
+from lab.engine.scheduler import Scheduler
+from lab.engine.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class EngineBusyError(RuntimeError):
+    """The waiting queue is full; the server answers 503."""
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        started = time.monotonic()
+        self.loaded = loaded or load_model(config.model, self.dtype, self.device, seed=config.seed)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's context of "
+                              f"{self.model_config.max_position_embeddings} tokens")
+        self.runner = ModelRunner(config, self.loaded, self.device, self.dtype, self.max_model_len)
+        self.loaded.weights = {}  # the model holds its own (fused) references now
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if pool_tokens < self.max_model_len:
+            raise ConfigError(f"the KV pool holds {pool_tokens} tokens ({self.runner.num_blocks} blocks of "
+                              f"{config.block_size}), less than one full-length request of {self.max_model_len}; "
+                              "raise --num-kv-blocks/--kv-cache-memory-bytes or lower --max-model-len")
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                   config.prefix_cache_retention)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Sequence] = {}
+        self.counters = Counters()
+        self._ids = itertools.count()
+        self.load_seconds = time.monotonic() - started
+        log.info("engine ready in %.1f s: %s on %s (%s), KV pool %d blocks x %d = %d tokens (%.1f MiB)",
+                 self.load_seconds, config.model, self.device, str(self.dtype).removeprefix("torch."),
+                 self.runner.num_blocks, config.block_size, pool_tokens, self.runner.kv_pool_bytes / 2**20)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise BadRequestError for a request the engine can never serve."""
+        params.validate(self.config.max_logprobs, self.model_config.vocab_size)
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise BadRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise BadRequestError(f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
+                                  "tokens including at least one generated token")
+        if n + params.max_tokens > self.max_model_len:
+            raise BadRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                                  f"{n + params.max_tokens} exceeds this model's context of "
+                                  f"{self.max_model_len} tokens")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        self.check_request(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise BadRequestError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineBusyError(f"{len(self.scheduler.waiting)} requests are already waiting "
+                                  f"(--max-waiting {self.config.max_waiting}); retry later")
+        seq = Sequence(next(self._ids), request_id, list(prompt_token_ids), params)
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        self.counters.requests_aborted += 1
+        return self.outputs.finish_without_token(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Nothing runs and the head of the queue does not fit: cannot happen with a pool of
+                # at least one full-length request, so refuse loudly rather than spin.
+                seq = self.scheduler.waiting[0]
+                raise RuntimeError(f"request {seq.request_id} cannot be scheduled with an empty engine")
+            return []
+        result = self.runner.execute(plan.scheduled)
+        self.counters.steps += 1
+        outputs: list[RequestOutput] = []
+        for s in plan.scheduled:
+            seq = s.seq
+            samples = s.samples  # read before num_computed_tokens moves on
+            if seq.wants_prompt_logprobs and seq.seq_id in result.prompt_logprobs:
+                # After a preemption the prompt is recomputed; keep the first copy of each position.
+                # A chunk starting at 0 covers positions 0.., a later one start+1.. (position
+                # `start` was predicted by the previous chunk's last row).
+                have = len(seq.prompt_logprobs)
+                start = seq.num_computed_tokens
+                first_pos = 0 if start == 0 else start + 1
+                seq.prompt_logprobs.extend(result.prompt_logprobs[seq.seq_id][max(0, have - first_pos):])
+            seq.num_computed_tokens += s.num_tokens
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.counters.prompt_tokens += s.num_tokens
+            self.blocks.register_full_blocks(seq)
+            if not samples:
+                continue
+            if seq.params.max_tokens == 0:
+                outputs.append(self._finish(seq, self.outputs.finish_without_token(seq, "length")))
+                continue
+            token, lp = result.sampled[seq.seq_id]
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            self.counters.generation_tokens += 1
+            out = self.outputs.on_token(seq)
+            if out.finished:
+                out = self._finish(seq, out)
+            outputs.append(out)
+        return outputs
+
+    def _finish(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        self.requests.pop(seq.request_id, None)
+        self.counters.requests_finished += 1
+        return out
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> int:
+        return self.blocks.reset_prefix_cache()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)

@@ -1,0 +1,108 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral) over a flat varlen batch and a paged KV cache.
+
+Projections are fused at load time (q|k|v into one matrix, gate|up into one) so a layer runs
+four matrix products; norms, RoPE and attention come from pluggable implementations so the same
+model runs the PyTorch path on the CPU and Triton kernels on CUDA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lab.engine import layers
+from lab.engine.attention import AttentionBackend
+from lab.engine.attention_metadata import AttentionMetadata
+from lab.engine.model_config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class Ops:
+    """The elementwise implementations a model uses; `layers` is the reference."""
+    rms_norm: Callable = layers.rms_norm
+    apply_rope: Callable = layers.apply_rope
+
+
+class Model:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
+                 max_positions: int, ops: Ops | None = None) -> None:
+        self.config = config
+        self.attention = attention
+        self.ops = ops or Ops()
+        w = weights
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
+        self.norm = w["model.norm.weight"]
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=w[p + "input_layernorm.weight"],
+                qkv=torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                qkv_bias=bias,
+                o=w[p + "self_attn.o_proj.weight"],
+                post_norm=w[p + "post_attention_layernorm.weight"],
+                gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                down=w[p + "mlp.down_proj.weight"],
+            ))
+            # Drop the unfused copies as we go so peak memory stays near one model.
+            for n in ("q", "k", "v"):
+                w.pop(p + f"self_attn.{n}_proj.weight", None)
+                w.pop(p + f"self_attn.{n}_proj.bias", None)
+            w.pop(p + "mlp.gate_proj.weight", None)
+            w.pop(p + "mlp.up_proj.weight", None)
+        device = self.embed.device
+        self.cos_sin = layers.rope_cos_sin_cache(config.head_dim, max_positions, config.rope_theta,
+                                                 config.rope_scaling, device=device)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every new token of the step."""
+        cfg = self.config
+        t = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+            h, residual = self.ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.ops.apply_rope(q.view(t, cfg.num_heads, cfg.head_dim),
+                                       k.view(t, cfg.num_kv_heads, cfg.head_dim), positions, self.cos_sin)
+            attn = self.attention.forward(q, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache,
+                                          meta, self.scale)
+            hidden = F.linear(attn.view(t, self.q_size), layer.o)
+            h, residual = self.ops.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
+            hidden = F.linear(layers.silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+        hidden, _ = self.ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits, whatever the model dtype, so sampling and logprobs are stable."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,191 @@
+"""Owns the weights on the device and the KV pool; turns a scheduled step into one forward pass
+over a flat varlen batch, then samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from lab.engine import sampler
+from lab.engine.attention import AttentionBackend, TorchAttention
+from lab.engine.attention_metadata import AttentionMetadata, build_metadata
+from lab.engine.config import ConfigError, EngineConfig
+from lab.engine.loader import LoadedModel
+from lab.engine.model import Model, Ops
+from lab.engine.scheduler import ScheduledSeq
+from lab.engine.sequence import TokenLogprob
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[config.dtype]
+
+
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype
+
+
+def make_backends(config: EngineConfig, device: torch.device) -> tuple[AttentionBackend, Ops]:
+    choice = config.attention_backend
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "torch"
+    if choice == "torch":
+        return TorchAttention(), Ops()
+    if device.type != "cuda":
+        raise ConfigError("--attention-backend triton needs --device cuda (use torch on the CPU)")
+    from lab.engine.kernels import rmsnorm, rope
+    from lab.engine.triton_attention import TritonAttention
+
+    return TritonAttention(), Ops(rms_norm=rmsnorm.rms_norm, apply_rope=rope.apply_rope)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[int, tuple[int, TokenLogprob | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.model_config = loaded.config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.attention, ops = make_backends(config, device)
+        self.model = Model(loaded.config, loaded.weights, self.attention, max_positions=max_model_len, ops=ops)
+        self.kv_dtype = kv_cache_dtype(config, dtype)
+        self.num_blocks = self._num_blocks()
+        mc = loaded.config
+        # Zeroed, not empty: padded positions of a gathered context are masked, but 0 * NaN from
+        # uninitialised memory would still poison the weighted sum.
+        self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads,
+                                    mc.head_dim, dtype=self.kv_dtype, device=device)
+        self.kv_layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return self.model_config.kv_bytes_per_token(elem) * self.block_size
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_bytes:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Leave room for activations of the largest step and for CUDA graphs.
+            scratch = 4 * cfg.max_num_batched_tokens * self.model_config.intermediate_size * 2 * 4 + (1 << 30)
+            budget = int(total * cfg.gpu_memory_utilization) - used - scratch
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        blocks = budget // self.bytes_per_block
+        if blocks <= 0:
+            raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes); lower the model size "
+                              "or raise --kv-cache-memory-bytes / --gpu-memory-utilization")
+        return int(blocks)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                list[int]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens, tables = [], [], []
+        logit_rows: list[int] = []
+        for s in scheduled:
+            seq, n = s.seq, s.num_tokens
+            start = seq.num_computed_tokens
+            base = len(input_ids)
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(seq.block_table)
+            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens:
+                logit_rows.extend(range(base, base + n))
+            elif s.samples:
+                logit_rows.append(base + n - 1)
+        meta = build_metadata(query_lens, context_lens, tables, self.block_size, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos, meta, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        ids, pos, meta, logit_rows = self.prepare(scheduled)
+        hidden = self.model.forward(ids, pos, meta, self.kv_layers)
+        logits = self.model.logits(hidden[logit_rows]) if logit_rows else None
+        return self._postprocess(scheduled, logits)
+
+    def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> StepResult:
+        result = StepResult()
+        if logits is None:
+            return result
+        sample_rows: list[int] = []
+        sample_seqs: list[ScheduledSeq] = []
+        row = 0
+        for s in scheduled:
+            seq, n = s.seq, s.num_tokens
+            start = seq.num_computed_tokens
+            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens:
+                result.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(seq, start, n, logits[row:row + n])
+                if s.samples:
+                    sample_rows.append(row + n - 1)
+                    sample_seqs.append(s)
+                row += n
+            elif s.samples:
+                sample_rows.append(row)
+                sample_seqs.append(s)
+                row += 1
+        if not sample_seqs:
+            return result
+        rows = logits[sample_rows]
+        params = [s.seq.params for s in sample_seqs]
+        tokens = sampler.sample(rows, params, [s.seq.generator for s in sample_seqs])
+        want = [p.logprobs for p in params]
+        lps: list[TokenLogprob | None] = [None] * len(sample_seqs)
+        if any(w is not None for w in want):
+            computed = sampler.logprobs_of(rows, tokens, [w or 0 for w in want])
+            lps = [lp if w is not None else None for lp, w in zip(computed, want)]
+        for s, token, lp in zip(sample_seqs, tokens.tolist(), lps):
+            result.sampled[s.seq.seq_id] = (token, lp)
+        return result
+
+    def _prompt_logprobs(self, seq, start: int, n: int, logits: torch.Tensor) -> list[TokenLogprob | None]:
+        """Logprob of each prompt token given the tokens before it; the first prompt token has none."""
+        out: list[TokenLogprob | None] = [None] if start == 0 else []
+        # Row j predicts token at position start + j + 1; only prompt positions count here.
+        last = min(start + n, seq.num_prompt_tokens - 1)
+        if last > start:
+            targets = torch.tensor(seq.token_ids[start + 1:last + 1], device=logits.device)
+            out.extend(sampler.logprobs_of(logits[: last - start], targets,
+                                           [seq.params.prompt_logprobs] * (last - start)))
+        return out
