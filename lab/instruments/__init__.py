@@ -1,0 +1,14 @@
+"""The instrument registry: the one place that names which instruments a ladder may use.
+
+A ladder's `instruments:` section, its JSON Schema and the runner all read this mapping; adding an
+instrument is one import and one entry here.
+"""
+
+from __future__ import annotations
+
+from lab.instruments.base import Instrument
+from lab.instruments.memory import MemoryInstrument
+
+REGISTRY: dict[str, type[Instrument]] = {
+    MemoryInstrument.name: MemoryInstrument,
+}

@@ -1,0 +1,276 @@
+"""Read a ladder and refuse it, with file and line, unless it can be run as written.
+
+Rules beyond the schema: one change per arm (unless `multi: true`), no arm identical to its
+control, names unique across the ladder, bundled-engine flags and LAB_ENGINE_* variables that exist
+with values the engine accepts, environment values that reach the engine intact, command templates
+with a `{port}` to fill, and KEEP metrics and gates that some listed instrument produces.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from pydantic import ValidationError
+
+from lab.arms import render
+from lab.arms.errors import LadderError, Problem
+from lab.arms.ladder import BundledEngine, CommandEngine, Ladder
+from lab.arms.yaml_lines import Located, load
+from lab.engine import config as engine_config
+from lab.instruments import REGISTRY
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def load_ladder(path: str | Path) -> tuple[Ladder, str]:
+    """The validated ladder and its exact text; raises LadderError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise LadderError(str(path), [Problem(0, f"cannot read it: {exc.strerror}")]) from None
+    return parse_ladder(text, str(path)), text
+
+
+def parse_ladder(text: str, label: str) -> Ladder:
+    located, problems = load(text)
+    if located is None:
+        raise LadderError(label, problems)
+    if not isinstance(located.data, dict):
+        raise LadderError(label, problems + [Problem(located.line([]) or 1,
+                                                     "a ladder is a mapping with name, engine and windows")])
+    try:
+        ladder = Ladder.model_validate(located.data)
+    except ValidationError as exc:
+        raise LadderError(label, problems + _schema_problems(exc, located)) from None
+    problems += _rules(ladder, located)
+    if problems:
+        raise LadderError(label, problems)
+    return ladder
+
+
+def _schema_problems(exc: ValidationError, located: Located) -> list[Problem]:
+    """One problem per offending value; a union's per-member complaints are folded into one."""
+    grouped: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for error in exc.errors():
+        grouped.setdefault(_data_path(located.data, error["loc"]), []).append(error)
+    problems = []
+    for path, errors in grouped.items():
+        first = errors[0]
+        where = _dotted(path)
+        if first["type"] == "missing":
+            field = first["loc"][-1]
+            reason = f"{where + ': ' if where else ''}missing required field {field!r}"
+            problems.append(Problem(located.line(path), reason))
+            continue
+        if first["type"] == "extra_forbidden":
+            if path[:1] == ("instruments",) and len(path) == 2:
+                reason = f"unknown instrument {path[1]!r} (registered: {', '.join(sorted(REGISTRY))})"
+            else:
+                reason = f"unknown key {path[-1]!r} in {_dotted(path[:-1]) or 'the ladder'}"
+            problems.append(Problem(located.line(path), reason))
+            continue
+        messages = list(dict.fromkeys(e["msg"] for e in errors))
+        reason = messages[0] if len(messages) == 1 else f"no allowed type fits ({' / '.join(messages)})"
+        problems.append(Problem(located.line(path), f"{where}: {reason}" if where else reason))
+    return problems
+
+
+def _data_path(data: Any, loc: Sequence[Any]) -> tuple[Any, ...]:
+    """The part of a pydantic location that exists in the document.
+
+    Union member names ("bundled", "str") are dropped; a missing key is kept when it is the last
+    element, so the problem can name it.
+    """
+    path: list[Any] = []
+    node = data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(node, dict) and i == len(loc) - 1:
+            path.append(part)
+            break
+        else:
+            continue
+        path.append(part)
+    return tuple(path)
+
+
+def _dotted(path: Sequence[Any]) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _rules(ladder: Ladder, located: Located) -> list[Problem]:
+    problems = _names(ladder, located)
+    engine = ladder.engine
+    base_problems = _env(("engine", "env"), engine.env, located)
+    if isinstance(engine, BundledEngine):
+        base_problems += _bundled_flags(("engine",), engine.flags, engine.env, located)
+        if "model" in {engine_config.knob_from_flag(k) for k in engine.flags}:
+            base_problems.append(Problem(located.line(("engine", "flags", "model")), "set the model with engine.model"))
+    else:
+        base_problems += _command(engine, located)
+    problems += base_problems
+    # Every arm contains the base, so a broken base would be reported again for each arm.
+    base = None if base_problems else _arm_config(ladder, None, ("engine",), located, problems)
+    for w, window in enumerate(ladder.windows):
+        for a, arm in enumerate(window.arms):
+            where = ("windows", w, "arms", a)
+            problems += _one_change(arm, where, located)
+            arm_problems = _env(where + ("env",), arm.env, located)
+            if isinstance(engine, BundledEngine):
+                arm_problems += _bundled_flags(where, arm.flags, arm.env, located)
+            problems += arm_problems
+            if base is None or arm_problems:
+                continue
+            cfg = _arm_config(ladder, arm, where, located, problems)
+            if cfg == base and (arm.flags or arm.env):
+                hint = " (flags override LAB_ENGINE_* variables)" if arm.env and isinstance(engine, BundledEngine) else ""
+                problems.append(Problem(located.line(where), f"arm {arm.name} boots the same config as its control; "
+                                                             f"it changes nothing{hint}"))
+    problems += _keep(ladder, located)
+    return problems
+
+
+def _names(ladder: Ladder, located: Located) -> list[Problem]:
+    problems = []
+    windows: dict[str, int] = {}
+    boots: dict[str, int] = {}
+    for w, window in enumerate(ladder.windows):
+        line = located.line(("windows", w, "name"))
+        if window.name in windows:
+            problems.append(Problem(line, f"duplicate window name {window.name!r} (also at line {windows[window.name]})"))
+        windows.setdefault(window.name, line)
+        control_line = located.line(("windows", w, "control")) if window.control else line
+        named = [(window.control_name, control_line)]
+        named += [(arm.name, located.line(("windows", w, "arms", a, "name"))) for a, arm in enumerate(window.arms)]
+        for name, at in named:
+            if name in boots:
+                problems.append(Problem(at, f"duplicate arm name {name!r} (also at line {boots[name]}); "
+                                            "arm and control names are unique across the ladder"))
+            boots.setdefault(name, at)
+    return problems
+
+
+def _one_change(arm: Any, where: tuple[Any, ...], located: Located) -> list[Problem]:
+    changes = [f"flag {k}" for k in arm.flags] + [f"env {k}" for k in arm.env]
+    if not changes:
+        return [Problem(located.line(where), f"arm {arm.name} changes nothing; give it one flag or env change")]
+    if len(changes) > 1 and not arm.multi:
+        return [Problem(located.line(where), f"arm {arm.name} changes {len(changes)} things ({', '.join(changes)}); "
+                                             "split it into one arm per change or mark it multi: true")]
+    return []
+
+
+def _env(where: tuple[Any, ...], env: dict[str, Any], located: Located) -> list[Problem]:
+    problems = []
+    for name, value in env.items():
+        line = located.line(where + (name,))
+        if not ENV_NAME.match(name):
+            problems.append(Problem(line, f"env {name!r} is not a valid variable name"))
+        text = render.env_value(value)
+        if any(c in text for c in "\n\r\0"):
+            problems.append(Problem(line, f"env {name}: the value holds a line break or NUL and would not reach "
+                                          "the engine as written"))
+    return problems
+
+
+def _bundled_flags(where: tuple[Any, ...], flags: dict[str, Any], env: dict[str, Any],
+                   located: Located) -> list[Problem]:
+    problems = []
+    for name, value in flags.items():
+        line = located.line(where + ("flags", name))
+        knob = engine_config.knob_from_flag(name)
+        if knob is None:
+            problems.append(Problem(line, f"unknown flag {name!r} for the bundled engine "
+                                          "(`lab engine serve --help` lists them)"))
+            continue
+        problems += _coerce(knob, value, line)
+    for name, value in env.items():
+        if not name.startswith(engine_config.ENV_PREFIX):
+            continue
+        line = located.line(where + ("env", name))
+        knob = engine_config.knob_from_env(name)
+        if knob is None:
+            problems.append(Problem(line, f"unknown engine variable {name!r}: no knob "
+                                          f"{name[len(engine_config.ENV_PREFIX):].lower()!r} in the bundled engine"))
+            continue
+        problems += _coerce(knob, render.env_value(value), line)
+    return problems
+
+
+def _coerce(knob: str, value: Any, line: int) -> list[Problem]:
+    try:
+        engine_config.coerce(knob, value)
+    except engine_config.ConfigError as exc:
+        return [Problem(line, str(exc))]
+    return []
+
+
+def _arm_config(ladder: Ladder, arm: Any, where: tuple[Any, ...], located: Located,
+                problems: list[Problem]) -> dict[str, Any] | None:
+    """The arm's full config, or None with the reason appended to problems (at the key it names)."""
+    flags, env = render.merged(ladder, arm)
+    engine = ladder.engine
+    if isinstance(engine, CommandEngine):
+        return render.command_recipe(engine, flags, env)
+    try:
+        return render.bundled_config(engine, flags, env).to_dict()
+    except engine_config.ConfigError as exc:
+        sources = ([(where, arm)] if arm else []) + [(("engine",), engine)]
+        line = _line_of_knob(str(exc), sources, located) or located.line(where)
+        problems.append(Problem(line, f"{arm.name if arm else 'the base engine'}: {exc}"))
+        return None
+
+
+def _line_of_knob(message: str, sources: list[tuple[tuple[Any, ...], Any]], located: Located) -> int | None:
+    """Line of the flag or variable that set the knob a config error names, the arm's first."""
+    match = re.match(r"--([a-z0-9-]+)", message)
+    knob = engine_config.knob_from_flag(match.group(1)) if match else None
+    for path, source in sources if knob else []:
+        for key in source.flags:
+            if engine_config.knob_from_flag(key) == knob:
+                return located.line(path + ("flags", key))
+        for key in source.env:
+            if engine_config.knob_from_env(key) == knob:
+                return located.line(path + ("env", key))
+    return None
+
+
+def _command(engine: CommandEngine, located: Located) -> list[Problem]:
+    problems = []
+    if not any("{port}" in part for part in engine.command):
+        problems.append(Problem(located.line(("engine", "command")),
+                                "command has no {port} placeholder; the lab gives each boot a free port"))
+    if "{port}" not in engine.base_url:
+        problems.append(Problem(located.line(("engine", "base_url")), "base_url has no {port} placeholder"))
+    if "{name}" not in engine.flag_style or "{value}" not in engine.flag_style:
+        problems.append(Problem(located.line(("engine", "flag_style")), "flag_style needs {name} and {value}"))
+    return problems
+
+
+def _keep(ladder: Ladder, located: Located) -> list[Problem]:
+    produced = {name: set(REGISTRY[name]().metrics(params)) for name, params in ladder.instruments.sections()}
+    refs = [(("keep", "metrics", i), ref.metric) for i, ref in enumerate(ladder.keep.metric_refs())]
+    refs += [(("keep", "gates", i, "metric"), gate.metric) for i, gate in enumerate(ladder.keep.gates)]
+    problems = []
+    for where, metric in refs:
+        line = located.line(where)
+        instrument, _, name = metric.partition(".")
+        if not name:
+            problems.append(Problem(line, f"KEEP metric {metric!r}: write it as <instrument>.<metric>"))
+        elif instrument not in produced:
+            listed = "not in this ladder's instruments" if instrument in REGISTRY else "not a registered instrument"
+            problems.append(Problem(line, f"KEEP metric {metric!r}: no instrument produces it "
+                                          f"({instrument!r} is {listed})"))
+        elif name not in produced[instrument]:
+            problems.append(Problem(line, f"KEEP metric {metric!r}: no instrument produces it ({instrument} "
+                                          f"produces {', '.join(sorted(produced[instrument]))})"))
+    return problems

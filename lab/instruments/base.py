@@ -1,0 +1,124 @@
+"""What an instrument is to the runner: a deterministic plan of steps, and a way to run one step.
+
+The runner stores each step's cells, receipts and qeval items in one transaction keyed by
+(boot slot, instrument, step key). A resumed run asks the instrument for the same plan and runs only
+the steps not yet stored for that slot, so `plan` must return the same keys for the same params.
+Instruments speak HTTP to the engine; they never import it and never write to the store themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from lab.mem_sampler import MemSampler
+    from lab.store.db import Store
+
+Better = Literal["higher", "lower"]
+
+
+@dataclass(frozen=True)
+class Step:
+    key: str  # unique within the instrument's plan, stable across calls: "len=2048/rep=2"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Receipt:
+    """One request behind a cell. Times are `time.perf_counter_ns()` on the client.
+
+    The writer reads these attribute names from any object, so the streaming client's own receipt
+    type can be handed over as it is when its fields carry the same names.
+    """
+
+    endpoint: str  # "/v1/completions", "/v1/stats", ...
+    status: int | None = None  # HTTP status; None when no response came
+    error: str | None = None
+    t_queued_ns: int | None = None  # when the request was ready to go (client-side waiting shows here)
+    t_sent_ns: int | None = None
+    t_first_ns: int | None = None  # first token
+    t_last_ns: int | None = None  # last token
+    t_done_ns: int | None = None  # response complete
+    token_times_ns: list[int] | None = None
+    prompt_tokens: int | None = None  # from the server's usage, never counted client-side
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+    payload: Any = None  # the request body as sent
+    response: Any = None  # a non-streamed body, or the final usage chunk of a stream
+
+
+@dataclass
+class Cell:
+    metric: str
+    value: float | None
+    unit: str
+    params: dict[str, Any] = field(default_factory=dict)
+    repeat: int = 0
+    valid: bool = True
+    note: str = ""
+    requests: list[int] | None = None  # indexes into StepResult.receipts; None = all of the step's
+
+
+@dataclass
+class QevalItem:
+    task: str
+    passed: bool
+    score: float | None = None
+    category: str = ""
+    scorer: str = ""
+    output: str | None = None
+    expected: str | None = None
+    request: int | None = None  # index into StepResult.receipts
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    cells: list[Cell] = field(default_factory=list)
+    receipts: list[Any] = field(default_factory=list)  # Receipt or anything with its attribute names
+    items: list[QevalItem] = field(default_factory=list)
+
+
+@dataclass
+class BootContext:
+    """Everything an instrument may know about the boot it measures."""
+
+    base_url: str  # http://127.0.0.1:PORT
+    api_base: str  # the OpenAI root, usually base_url + "/v1"
+    model: str  # the served model name to put in requests
+    api_key: str | None
+    run_id: int
+    run_name: str
+    slot_id: int
+    boot_id: int
+    arm: str
+    window: str | None
+    role: Literal["control", "arm"]
+    position: Literal["open", "arm", "close"]
+    salt: str  # unique per run and boot: prefix prompts with it so no boot is served from another's cache
+    engine_kind: Literal["bundled", "command"]
+    params: BaseModel  # this instrument's validated ladder section
+    store: "Store"  # read-only use: earlier boots' rows for paired instruments
+    control_boot_ids: list[int]  # warm control boots of this window measured before this one
+    mem: "MemSampler"  # host MemAvailable sampled since the engine started
+    log: logging.Logger
+
+
+class Instrument(Protocol):
+    name: ClassVar[str]
+    Params: ClassVar[type[BaseModel]]  # its ladder section; extra keys are refused
+
+    def metrics(self, params: BaseModel) -> dict[str, Better]:
+        """Every metric name it can produce for these params, with the direction that is better."""
+
+    def plan(self, params: BaseModel) -> list[Step]:
+        """The steps to run on every measured boot, in order; same params give the same keys."""
+
+    async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
+        """Run one step against the engine. Raising marks the step as errored; the boot goes on."""
