@@ -1,0 +1,91 @@
+"""Questions the runner and `lab ls` ask the store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+
+from lab.store import models as m
+from lab.store.db import Store
+
+LIVE = ("starting", "ready")  # a boot in one of these states has a process the lab may still own
+OK = ("done",)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    id: int
+    name: str
+    ladder: str
+    engine_kind: str
+    created_at: datetime
+    status: str
+    slots: int
+    boots_ok: int
+    boots_failed: int
+
+
+def find_run(store: Store, ref: str) -> m.Run:
+    """A run by id or name; LookupError names what to do when there is none."""
+    with store.session() as s:
+        run = s.scalar(select(m.Run).where(m.Run.name == ref))
+        if run is None and ref.isdigit():
+            run = s.get(m.Run, int(ref))
+        if run is None:
+            raise LookupError(f"no run {ref!r} in this store; `lab ls` lists the runs")
+        return run
+
+
+def list_runs(store: Store) -> list[RunSummary]:
+    with store.session() as s:
+        runs = s.scalars(select(m.Run).order_by(m.Run.id)).all()
+        out = []
+        for run in runs:
+            statuses = s.scalars(select(m.Boot.status).where(m.Boot.run_id == run.id)).all()
+            slots = s.scalar(select(func.count()).select_from(m.Slot).where(m.Slot.run_id == run.id)) or 0
+            out.append(RunSummary(run.id, run.name, run.ladder_name, run.engine_kind, run.created_at, run.status,
+                                  slots, sum(st in OK for st in statuses),
+                                  sum(st not in OK and st not in LIVE for st in statuses)))
+        return out
+
+
+def slots(store: Store, run_id: int) -> list[m.Slot]:
+    with store.session() as s:
+        rows = s.scalars(select(m.Slot).where(m.Slot.run_id == run_id).order_by(m.Slot.idx)).all()
+        for row in rows:
+            _ = row.arm, row.boots  # load while the session is open
+        return list(rows)
+
+
+def arms(store: Store, run_id: int) -> list[m.Arm]:
+    with store.session() as s:
+        return list(s.scalars(select(m.Arm).where(m.Arm.run_id == run_id).order_by(m.Arm.id)).all())
+
+
+def stored_steps(store: Store, slot_id: int) -> set[tuple[str, str]]:
+    with store.session() as s:
+        return set(s.execute(select(m.Step.instrument, m.Step.key).where(m.Step.slot_id == slot_id)).tuples())
+
+
+def live_boots(store: Store, run_id: int) -> list[m.Boot]:
+    with store.session() as s:
+        return list(s.scalars(select(m.Boot).where(m.Boot.run_id == run_id, m.Boot.status.in_(LIVE))).all())
+
+
+def any_ready_boot(store: Store, run_id: int) -> bool:
+    """Whether an engine of this run has answered a completion before (JIT caches warmed)."""
+    with store.session() as s:
+        return s.scalar(select(func.count()).select_from(m.Boot)
+                        .where(m.Boot.run_id == run_id, m.Boot.ready_at.is_not(None))) > 0
+
+
+def warm_control_boots(store: Store, run_id: int, window: str, before_idx: int) -> list[int]:
+    """Boots of this window's control that were measured warm before slot `before_idx`."""
+    with store.session() as s:
+        query = (select(m.Boot.id).join(m.Slot, m.Boot.slot_id == m.Slot.id)
+                 .where(m.Slot.run_id == run_id, m.Slot.window == window, m.Slot.role == "control",
+                        m.Slot.idx < before_idx, m.Boot.status == "done", m.Boot.cold.is_(False))
+                 .order_by(m.Slot.idx, m.Boot.attempt))
+        return list(s.scalars(query).all())

@@ -1,0 +1,137 @@
+"""Everything the lab writes, each call in its own transaction.
+
+A step's cells, receipts and qeval items are written together or not at all, so a run killed at
+any moment leaves whole steps only, and the unique keys make a second copy of a step impossible.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, is_dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import delete, select
+
+from lab.arms.render import Plan
+from lab.instruments.base import Step as PlannedStep
+from lab.instruments.base import StepResult
+from lab.store import models as m
+from lab.store.db import Store
+
+RECEIPT_FIELDS = ("endpoint", "status", "error", "t_queued_ns", "t_sent_ns", "t_first_ns", "t_last_ns", "t_done_ns",
+                  "token_times_ns", "prompt_tokens", "completion_tokens", "cached_tokens", "text", "finish_reason",
+                  "payload", "response")
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def params_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def create_run(store: Store, *, name: str, ladder_name: str, ladder_path: str, ladder_text: str, sha256: str,
+               engine_kind: str, logs_dir: str, plan: Plan) -> int:
+    """The run with its arms and planned slots, in one transaction."""
+    with store.session() as s, s.begin():
+        run = m.Run(name=name, ladder_name=ladder_name, ladder_path=ladder_path, ladder_text=ladder_text,
+                    ladder_sha256=sha256, engine_kind=engine_kind, logs_dir=logs_dir, status="running",
+                    created_at=now())
+        s.add(run)
+        s.flush()
+        arm_ids = {}
+        for spec in plan.arms:
+            arm = m.Arm(run_id=run.id, name=spec.name, role=spec.role, window=spec.window, change=spec.change,
+                        multi=spec.multi, flags=spec.flags, env=spec.env, config=spec.config,
+                        config_hash=spec.config_hash)
+            s.add(arm)
+            s.flush()
+            arm_ids[spec.name] = arm.id
+        for slot in plan.slots:
+            s.add(m.Slot(run_id=run.id, idx=slot.idx, arm_id=arm_ids[slot.arm], role=slot.role,
+                         position=slot.position, window=slot.window, status="pending"))
+        return run.id
+
+
+def set_run_status(store: Store, run_id: int, status: str) -> None:
+    with store.session() as s, s.begin():
+        run = s.get_one(m.Run, run_id)
+        run.status = status
+        run.finished_at = now() if status == "done" else None
+
+
+def start_boot(store: Store, *, run_id: int, slot_id: int, **fields: Any) -> tuple[int, int]:
+    """A new boot row for the slot, numbered after any earlier attempt: (boot id, attempt)."""
+    with store.session() as s, s.begin():
+        attempts = s.scalars(select(m.Boot.attempt).where(m.Boot.slot_id == slot_id)).all()
+        boot = m.Boot(run_id=run_id, slot_id=slot_id, attempt=max(attempts, default=0) + 1, status="starting",
+                      started_at=now(), **fields)
+        s.add(boot)
+        s.flush()
+        return boot.id, boot.attempt
+
+
+def update_boot(store: Store, boot_id: int, **fields: Any) -> None:
+    with store.session() as s, s.begin():
+        boot = s.get_one(m.Boot, boot_id)
+        for key, value in fields.items():
+            setattr(boot, key, value)
+
+
+def set_slot_status(store: Store, slot_id: int, status: str) -> None:
+    with store.session() as s, s.begin():
+        s.get_one(m.Slot, slot_id).status = status
+
+
+def write_step(store: Store, *, slot_id: int, boot_id: int, instrument: str, step: PlannedStep,
+               result: StepResult | None, error: str | None, started_at: datetime) -> int:
+    """One step with all its cells, receipts and qeval items, in one transaction."""
+    with store.session() as s, s.begin():
+        row = m.Step(slot_id=slot_id, boot_id=boot_id, instrument=instrument, key=step.key, params=_json(step.params),
+                     status="error" if error else "ok", error=error, started_at=started_at, finished_at=now())
+        s.add(row)
+        s.flush()
+        if result is None:
+            return row.id
+        request_ids = []
+        for idx, receipt in enumerate(result.receipts):
+            request = m.Request(step_id=row.id, boot_id=boot_id, idx=idx,
+                                **{f: _json(getattr(receipt, f, None)) for f in RECEIPT_FIELDS})
+            s.add(request)
+            s.flush()
+            request_ids.append(request.id)
+        for cell in result.cells:
+            ids = request_ids if cell.requests is None else [request_ids[i] for i in cell.requests]
+            params = _json(cell.params)
+            s.add(m.Cell(step_id=row.id, slot_id=slot_id, boot_id=boot_id, instrument=instrument, metric=cell.metric,
+                         params=params, params_key=params_key(params), repeat=cell.repeat,
+                         value=None if cell.value is None else float(cell.value), unit=cell.unit, valid=cell.valid,
+                         note=cell.note, request_ids=ids))
+        for item in result.items:
+            s.add(m.QevalItem(step_id=row.id, slot_id=slot_id, boot_id=boot_id,
+                              request_id=None if item.request is None else request_ids[item.request], task=item.task,
+                              category=item.category, scorer=item.scorer, passed=item.passed, score=item.score,
+                              output=item.output, expected=item.expected, detail=_json(item.detail)))
+        return row.id
+
+
+def write_verdict(store: Store, *, run_id: int, arm: str, keep: bool, reason: str, detail: dict[str, Any]) -> None:
+    """The KEEP decision for an arm; a later decision for the same arm replaces the earlier one."""
+    with store.session() as s, s.begin():
+        arm_id = s.scalar(select(m.Arm.id).where(m.Arm.run_id == run_id, m.Arm.name == arm))
+        if arm_id is None:
+            raise KeyError(f"run {run_id} has no arm {arm!r}")
+        s.execute(delete(m.Verdict).where(m.Verdict.run_id == run_id, m.Verdict.arm_id == arm_id))
+        s.add(m.Verdict(run_id=run_id, arm_id=arm_id, keep=keep, reason=reason, detail=_json(detail),
+                        created_at=now()))
+
+
+def _json(value: Any) -> Any:
+    """Round-trip through JSON so what is stored is exactly what a reader will get back."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    return json.loads(json.dumps(value, default=str))
