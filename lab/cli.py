@@ -1,0 +1,188 @@
+"""The `lab` command. Each subcommand is an arguments function and a handler, registered in COMMANDS.
+
+Handlers import what they need when they run, so `lab --help` stays fast and never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable
+
+DEFAULT_DB = "lab.db"
+
+
+def _db_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH|URL",
+                        help=f"the store: a SQLite file or any SQLAlchemy URL (default: ./{DEFAULT_DB})")
+
+
+def _run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ladder", nargs="?", metavar="LADDER.yaml", help="the ladder to run")
+    parser.add_argument("--resume", metavar="RUN", help="finish an interrupted run (its id or name); no LADDER")
+    parser.add_argument("--name", help="name of the new run (default: <ladder name>-<date>-<time>)")
+    parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
+    parser.add_argument("--dry-run", action="store_true", help="validate the ladder and print its boots; run nothing")
+    _db_arg(parser)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from lab.arms import render
+    from lab.arms.validate import load_ladder
+    from lab.listing import print_plan
+    from lab.run import create, execute, resume
+    from lab.store.db import open_store
+
+    console = _console()
+    if bool(args.ladder) == bool(args.resume):
+        raise UsageError("give either LADDER.yaml or --resume RUN")
+    if args.dry_run:
+        if not args.ladder:
+            raise UsageError("--dry-run needs LADDER.yaml")
+        ladder, _ = load_ladder(args.ladder)
+        print_plan(_console(stdout=True), render.plan(ladder))
+        return 0
+    store = open_store(args.db)
+    try:
+        run = resume(store, args.resume) if args.resume else create(store, args.ladder, args.name, args.runs_dir)
+        console.print(f"run [bold]{run.name}[/] (id {run.id}) → {args.db}; boot logs in {run.logs_dir}")
+        outcome = execute(store, run, console)
+    finally:
+        store.close()
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(outcome.boots.items())) or "nothing left to boot"
+    console.print(f"run [bold]{outcome.name}[/] finished: {counts}. `lab ls {outcome.name}` shows its boots.")
+    if outcome.boots and not outcome.boots.get("done"):
+        _error(f"no boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
+        return 1
+    return 0
+
+
+def _ls_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", nargs="?", metavar="RUN", help="a run's id or name: list its arms and boots")
+    _db_arg(parser)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from lab.listing import print_run, print_runs
+    from lab.store.db import open_store
+
+    store = open_store(args.db, create=False)
+    try:
+        if args.run:
+            print_run(_console(stdout=True), store, args.run)
+        else:
+            print_runs(_console(stdout=True), store)
+    finally:
+        store.close()
+    return 0
+
+
+def _schema_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", metavar="FILE", help="write it here instead of printing it")
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from lab.arms.ladder import json_schema
+
+    text = json.dumps(json_schema(), indent=2) + "\n"
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="passed to the engine: `lab engine serve --help`")
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    return _engine(args.rest)
+
+
+def _engine(argv: list[str]) -> int:
+    from lab.engine.__main__ import main as engine_main  # loads torch: only when asked for
+
+    return engine_main(argv) or 0
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "run": ("boot a ladder's arms one by one and store every figure and request", _run_args, cmd_run),
+    "ls": ("list runs, or one run's arms and boots", _ls_args, cmd_ls),
+    "schema": ("print the ladder JSON Schema (for editor completion)", _schema_args, cmd_schema),
+    "engine": ("the bundled engine: `lab engine serve [flags]`", _engine_args, cmd_engine),
+}
+
+
+class UsageError(Exception):
+    """Wrong arguments; argparse-style exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lab", description="A benchmark-and-tuning laboratory for LLM serving "
+                                                             "engines: one change per boot, bracketed by controls.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, add_args, handler) in COMMANDS.items():
+        # `lab engine --help` is the engine's help, so argparse must not claim -h there.
+        command = sub.add_parser(name, help=help_text, description=help_text, add_help=name != "engine")
+        add_args(command)
+        command.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["engine"]:
+        return _engine(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    _setup_logging(args.verbose)
+    from lab.arms.errors import LadderError
+    from lab.run import RunError
+    from lab.slot import Interrupted
+    from lab.store.db import StoreError
+
+    try:
+        return args.handler(args)
+    except LadderError as exc:
+        for line in exc.lines():
+            _error(line)
+        return 2
+    except UsageError as exc:
+        parser.error(f"{args.command}: {exc}")
+    except (RunError, StoreError, LookupError) as exc:
+        _error(str(exc))
+        return 1
+    except Interrupted as exc:
+        _error(f"interrupted; finish it with `lab run --resume {exc.args[0]}`" if exc.args else "interrupted")
+        return 130
+    return 1
+
+
+def _console(stdout: bool = False):  # -> rich.console.Console
+    from rich.console import Console
+
+    return Console(stderr=not stdout)
+
+
+def _error(message: str) -> None:
+    from rich.markup import escape
+
+    _console().print(f"[bold red]lab:[/] {escape(message)}", highlight=False)
+
+
+def _setup_logging(verbose: int) -> None:
+    from rich.logging import RichHandler
+
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(message)s", handlers=[RichHandler(console=_console(), show_path=False)])
+    # One line per HTTP request drowns the run's own messages; show them only at -vv.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if verbose > 1 else logging.WARNING)

@@ -1,0 +1,106 @@
+"""Where a number was measured: lab version and commit, Python, torch/CUDA, GPU and driver, host.
+
+Read without importing torch (package metadata and torch's own version file), so taking a
+fingerprint costs milliseconds and cannot initialise CUDA in the lab process.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+# Engines and libraries whose version changes what a boot measures.
+PACKAGES = ("torch", "triton", "transformers", "tokenizers", "vllm", "sglang", "llama_cpp_python", "flashinfer-python")
+
+
+def collect() -> dict[str, Any]:
+    commit, dirty = _git()
+    return {
+        "lab_version": _lab_version(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "packages": {name: version for name in PACKAGES if (version := _version(name))},
+        "cuda": _torch_cuda(),
+        "gpus": _gpus(),
+        "host": socket.gethostname(),
+        "os": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "mem_total": psutil.virtual_memory().total,
+    }
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _lab_version() -> str | None:
+    version = _version("lab")
+    if version is None and (REPO / "pyproject.toml").exists():  # running from a checkout, not installed
+        version = tomllib.loads((REPO / "pyproject.toml").read_text()).get("project", {}).get("version")
+    return version
+
+
+def _git() -> tuple[str | None, bool | None]:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        return None, None
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return commit, bool(status.strip())
+
+
+def _torch_cuda() -> str | None:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    version_file = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        match = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", version_file.read_text(), re.M)
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def _gpus() -> list[dict[str, str]]:
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = "name,driver_version,memory.total,clocks.max.sm,power.limit"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    keys = query.split(",")
+    return [dict(zip(keys, (v.strip() for v in line.split(",")))) for line in out.splitlines() if line.strip()]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,183 @@
+"""One planned boot of a run, start to finish: hygiene gate, boot, check, measure, stop, record.
+
+Every way a boot can end is stored as an outcome: `done`; `failed` (memory gate not met, engine
+exited or never answered before the ready timeout); `refused` (it booted a config other than the
+arm's); `died` (the engine exited while instruments ran). Only an interrupted `lab run` leaves a
+slot pending, for `lab run --resume` to boot again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from lab import boot as engine_boot
+from lab.arms import launch as arm_launch
+from lab.arms.ladder import BundledEngine, Ladder
+from lab.arms.render import Plan
+from lab.hygiene import wait_for_memory
+from lab.instruments.base import BootContext, Instrument
+from lab.mem_sampler import MemSampler
+from lab.store import models as m
+from lab.store import reader, writer
+from lab.store.db import Store
+
+log = logging.getLogger("lab.run")
+
+
+class Interrupted(BaseException):
+    """`lab run` was asked to stop (Ctrl-C or SIGTERM); the slot stays pending for --resume."""
+
+
+@dataclass
+class RunContext:
+    store: Store
+    run_id: int
+    run_name: str
+    logs_dir: Path
+    ladder: Ladder
+    plan: Plan
+    fingerprint: dict[str, Any]
+    instruments: dict[str, Instrument]
+    status: Callable[[str], None] = field(default=lambda text: None)
+
+
+def log_path(rc: RunContext, slot: m.Slot, attempt: int) -> Path:
+    suffix = f"-{slot.position}" if slot.role != "arm" else ""
+    again = f"-a{attempt}" if attempt > 1 else ""
+    return rc.logs_dir / "boots" / f"{slot.idx:02d}-{slot.arm.name}{suffix}{again}.log"
+
+
+def run_slot(rc: RunContext, slot: m.Slot) -> str:
+    """Boot and measure one slot; returns the boot's final status."""
+    label = f"{slot.window or 'warm-up'} {slot.arm.name}" + (f" ({slot.position})" if slot.role == "control" else "")
+    engine = rc.ladder.engine
+    hygiene = rc.ladder.hygiene
+    rc.status(f"{label}: checking host memory")
+    gate = wait_for_memory(hygiene.min_mem_available_gib, hygiene.mem_wait_s,
+                           on_wait=lambda avail, waited: rc.status(
+                               f"{label}: waiting for MemAvailable ≥ {hygiene.min_mem_available_gib:g} GiB "
+                               f"({avail / 2**30:.1f} GiB, {waited:.0f} s)"))
+    arm = rc.plan.arm(slot.arm.name)
+    port = engine_boot.free_port()
+    spec = arm_launch.launch(rc.ladder, arm, port)
+    env, removed = engine_boot.child_env(spec.env)
+    boot_id, attempt = writer.start_boot(
+        rc.store, run_id=rc.run_id, slot_id=slot.id, port=port, argv=spec.argv, env=spec.env, env_removed=removed,
+        base_url=spec.api_base, expected_config_hash=spec.expected_config_hash, mem_available_start=gate.mem_available,
+        fingerprint=rc.fingerprint)
+    if not gate.ok:
+        return _fail(rc, slot, boot_id, "failed", gate.reason, None)
+
+    path = log_path(rc, slot, attempt)
+    proc = engine_boot.EngineProcess(spec.argv, env, path)
+    sampler = MemSampler().start()
+    rc.status(f"{label}: starting")
+    try:
+        proc.start()
+        writer.update_boot(rc.store, boot_id, pid=proc.pid, pid_started=proc.create_time(), log_path=str(path))
+        ready = proc.wait_ready(spec.api_base, spec.model, spec.api_key, engine.ready_timeout_s,
+                                on_poll=lambda t, last: rc.status(f"{label}: waiting for a completion ({t:.0f} s)"))
+        if not ready.ok:
+            return _fail(rc, slot, boot_id, "failed", ready.reason, proc, sampler)
+        refusal, stats, cold = _check(rc, proc, spec)
+        writer.update_boot(rc.store, boot_id, ready_at=writer.now(), ready_s=ready.seconds, cold=cold,
+                           booted_config_hash=stats.get("config_hash") if stats else None, engine_stats=stats,
+                           status="ready")
+        if refusal:
+            return _fail(rc, slot, boot_id, "refused", refusal, proc, sampler)
+        log.info("%s ready in %.1f s%s", label, ready.seconds, " (cold)" if cold else "")
+        if slot.role != "warmup":
+            died = _measure(rc, slot, boot_id, attempt, spec, proc, sampler, label)
+            if died:
+                return _fail(rc, slot, boot_id, "died", died, proc, sampler)
+        rc.status(f"{label}: stopping")
+        stopped = proc.stop(engine.stop_grace_s)
+        sampler.stop()
+        writer.update_boot(rc.store, boot_id, status="done", stopped_at=writer.now(), exit_status=stopped.exit_status,
+                           stopped_by=stopped.stopped_by, mem_available_floor=sampler.floor_bytes())
+        writer.set_slot_status(rc.store, slot.id, "done")
+        return "done"
+    except BaseException as exc:
+        stopped = proc.stop(engine.stop_grace_s) if proc.proc is not None else None
+        sampler.stop()
+        writer.update_boot(rc.store, boot_id, status="interrupted", reason=f"lab run stopped: {type(exc).__name__}",
+                           stopped_at=writer.now(), exit_status=stopped and stopped.exit_status,
+                           stopped_by=stopped and stopped.stopped_by, log_tail=proc.log_tail(),
+                           mem_available_floor=sampler.floor_bytes())
+        raise
+
+
+def _check(rc: RunContext, proc: engine_boot.EngineProcess,
+           spec: arm_launch.Launch) -> tuple[str | None, dict[str, Any] | None, bool]:
+    """(refusal reason or None, engine stats, cold) for a boot that just answered its first completion."""
+    warmed_before = reader.any_ready_boot(rc.store, rc.run_id)
+    if isinstance(rc.ladder.engine, BundledEngine):
+        status, stats = proc.get_json(f"{spec.base_url}/v1/stats")
+        if status != 200 or not isinstance(stats, dict):
+            return f"cannot check what booted: /v1/stats answered {status or 'nothing'}", None, not warmed_before
+        booted = stats.get("config_hash")
+        if booted != spec.expected_config_hash:
+            return f"booted config hash {booted} != expected {spec.expected_config_hash}", stats, bool(stats.get("cold"))
+        cold = stats["cold"] if isinstance(stats.get("cold"), bool) else not warmed_before
+        return None, stats, cold
+    # No hash to compare for other engines: the stored argv and env are the receipt. Their JIT caches
+    # are cold on the first boot of a run, which reads several percent slow (field note 004).
+    status, models = proc.get_json(f"{spec.api_base}/models", spec.api_key)
+    return None, {"v1_models": models} if status == 200 else None, not warmed_before
+
+
+def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm_launch.Launch,
+             proc: engine_boot.EngineProcess, sampler: MemSampler, label: str) -> str | None:
+    """Run every instrument step not yet stored for this slot; the reason if the engine died."""
+    done = reader.stored_steps(rc.store, slot.id)
+    controls = reader.warm_control_boots(rc.store, rc.run_id, slot.window or "", slot.idx)
+    salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/{attempt}/{boot_id}".encode()).hexdigest()[:12]
+    for name, params in rc.ladder.instruments.sections():
+        instrument = rc.instruments[name]
+        ctx = BootContext(base_url=spec.base_url, api_base=spec.api_base, model=spec.model, api_key=spec.api_key,
+                          run_id=rc.run_id, run_name=rc.run_name, slot_id=slot.id, boot_id=boot_id,
+                          arm=slot.arm.name, window=slot.window, role=slot.role,  # type: ignore[arg-type]
+                          position=slot.position, salt=salt,  # type: ignore[arg-type]
+                          engine_kind=rc.ladder.engine.kind, params=params, store=rc.store,
+                          control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
+                          log=logging.getLogger(f"lab.instruments.{name}"))
+        for step in instrument.plan(params):
+            if (name, step.key) in done:
+                continue
+            rc.status(f"{label}: {name} {step.key}")
+            started = writer.now()
+            try:
+                result, error = asyncio.run(instrument.run_step(ctx, step)), None
+            except Exception as exc:  # an instrument's failure is recorded on its step; the boot goes on
+                result, error = None, f"{type(exc).__name__}: {exc}"
+            died = None if proc.alive() else f"engine exited with status {proc.exit_status()} during {name} {step.key}"
+            if error and died:
+                return died  # the step failed because the engine went away: not the instrument's result
+            if error:
+                log.warning("%s: %s %s failed: %s", label, name, step.key, error)
+            writer.write_step(rc.store, slot_id=slot.id, boot_id=boot_id, instrument=name, step=step, result=result,
+                              error=error, started_at=started)
+            if died:
+                return died
+    return None
+
+
+def _fail(rc: RunContext, slot: m.Slot, boot_id: int, status: str, reason: str | None,
+          proc: engine_boot.EngineProcess | None, sampler: MemSampler | None = None) -> str:
+    fields: dict[str, Any] = {}
+    if proc is not None:
+        stopped = proc.stop(rc.ladder.engine.stop_grace_s)
+        fields = {"stopped_at": writer.now(), "exit_status": stopped.exit_status, "stopped_by": stopped.stopped_by,
+                  "log_tail": proc.log_tail()}
+    if sampler is not None:
+        sampler.stop()
+        fields["mem_available_floor"] = sampler.floor_bytes()
+    writer.update_boot(rc.store, boot_id, status=status, reason=reason, **fields)
+    writer.set_slot_status(rc.store, slot.id, "failed")
+    log.warning("%s %s: %s", slot.arm.name, status, reason)
+    return status
