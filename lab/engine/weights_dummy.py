@@ -1,0 +1,38 @@
+"""Random weights of a named shape (`dummy:<preset>`), for speed work where real weights cannot be
+fetched: seeded, and made directly on the target device in the target dtype, so an 8B shape on a
+GPU never passes through host memory."""
+
+from __future__ import annotations
+
+import torch
+
+from lab.engine.loader import weight_shapes
+from lab.engine.model_config import ModelConfig
+from lab.engine.tokenizer import Tokenizer
+
+MATRIX_STD = 0.02
+BIAS_STD = 0.002
+
+
+def dummy_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  seed: int) -> dict[str, torch.Tensor]:
+    """Same config, dtype, device and seed give the same weights: one generator draws every
+    tensor in the fixed order of `weight_shapes`."""
+    # A meta tensor holds no values, and the meta device has no generator of its own.
+    generator = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            std = BIAS_STD if name.endswith(".bias") else MATRIX_STD
+            tensor.normal_(0.0, std, generator=generator)
+        weights[name] = tensor
+    return weights
+
+
+def load_dummy(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               seed: int) -> tuple[dict[str, torch.Tensor], Tokenizer]:
+    tokenizer = Tokenizer.byte_level(config.vocab_size, config.bos_token_id, config.eos_token_ids)
+    return dummy_weights(config, dtype, device, seed), tokenizer
