@@ -72,4 +72,5 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> Completion:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate(prompt, params)[0]
+        # The template writes its own BOS where the model wants one.
+        return self.generate([self.tokenizer.encode(prompt, add_special_tokens=False)], params)[0]
