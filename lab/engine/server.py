@@ -1,0 +1,473 @@
+"""The OpenAI-compatible HTTP server around the async engine (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lab.engine.async_engine import AsyncEngine, EngineDeadError
+from lab.engine.llm_engine import EngineBusyError, LLMEngine
+from lab.engine.metrics import EngineMetrics
+from lab.engine.output_processor import RequestOutput
+from lab.engine.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from lab.engine.sampling_params import BadRequestError, SamplingParams
+from lab.engine.sequence import TokenLogprob
+from lab.engine.stats import engine_stats
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = {"/health", "/metrics"}
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+def error_response(status: int, message: str, kind: str, code: str | None = None,
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        if err.get("type") == "json_invalid":
+            return f"malformed JSON body: {err.get('ctx', {}).get('error', 'cannot parse')}"
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = err.get("msg", "invalid")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts).replace("\n", " ") or "invalid request"
+
+
+@dataclass
+class Collected:
+    """One prompt's generation gathered for a non-streaming answer."""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.new_text
+        self.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Server:
+    """Request handling; the FastAPI routes in `build_app` are thin wrappers around it."""
+
+    def __init__(self, engine: LLMEngine, served_model_name: str, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.async_engine = AsyncEngine(engine)
+        self.metrics = EngineMetrics(engine, served_model_name)
+        self.started_at = time.time()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.served_model_name, self.engine.config.model):
+            raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self.served_model_name!r}")
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        return max(1, self.engine.max_model_len - prompt_len)
+
+    async def stream_outputs(self, request_id: str, ids: list[int], params: SamplingParams,
+                             arrival: float) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request, observing latency histograms on the way."""
+        last: float | None = None
+        async for out in self.async_engine.generate(request_id, ids, params):
+            if out.new_token_ids:
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.ttft.observe(now - arrival)
+                else:
+                    self.metrics.itl.observe((now - last) / len(out.new_token_ids))
+                last = now
+            if out.finished:
+                self.metrics.e2e.observe(time.monotonic() - arrival)
+            yield out
+
+    async def collect(self, request_id: str, ids: list[int], params: SamplingParams, arrival: float) -> Collected:
+        c = Collected()
+        async for out in self.stream_outputs(request_id, ids, params, arrival):
+            c.add(out)
+        return c
+
+    async def until_done_or_disconnected(self, request: Request, work: asyncio.Future) -> Any:
+        """Await `work`, cancelling it (and so aborting its requests) if the client goes away."""
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.25)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                work.cancel()
+                return None
+            return work.result()
+        finally:
+            watcher.cancel()
+
+    # -- logprob formatting ------------------------------------------------------------------
+
+    def completion_logprobs(self, token_ids: list[int], lps: list[TokenLogprob | None],
+                            offset: int) -> dict[str, Any]:
+        strings = self.tokenizer.token_strings(token_ids)
+        top_ids = sorted({t for lp in lps if lp for t, _ in lp.top})
+        names = dict(zip(top_ids, self.tokenizer.token_strings(top_ids)))
+        offsets = []
+        for s in strings:
+            offsets.append(offset)
+            offset += len(s)
+        return {
+            "tokens": strings,
+            "token_logprobs": [lp.logprob if lp else None for lp in lps],
+            "top_logprobs": [({names[t]: v for t, v in lp.top} if lp else None) for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        ids = [lp.token_id for lp in lps]
+        top_ids = sorted({t for lp in lps for t, _ in lp.top})
+        names = dict(zip(top_ids, self.tokenizer.token_strings(top_ids)))
+
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+
+        content = []
+        for lp, s in zip(lps, self.tokenizer.token_strings(ids)):
+            item = entry(s, lp.logprob)
+            item["top_logprobs"] = [entry(names[t], v) for t, v in lp.top]
+            content.append(item)
+        return {"content": content}
+
+    # -- completions -------------------------------------------------------------------------
+
+    def plan_completion(self, body: CompletionRequest) -> list[tuple[list[int], SamplingParams]]:
+        plans = []
+        for prompt in body.prompts():
+            ids = self.encode_prompt(prompt)
+            max_tokens = body.max_tokens if body.max_tokens is not None else self.default_max_tokens(len(ids))
+            prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
+            params = body.sampling(max_tokens, body.logprobs, prompt_lp)
+            self.engine.check_request(ids, params)
+            plans.append((ids, params))
+        return plans
+
+    def echo_part(self, body: CompletionRequest, ids: list[int],
+                  prompt_lps: list[TokenLogprob | None] | None) -> tuple[str, dict | None]:
+        text = self.tokenizer.decode(ids)
+        if body.logprobs is None:
+            return text, None
+        lps = list(prompt_lps or [None] * len(ids))
+        return text, self.completion_logprobs(ids, lps, 0)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        plans = self.plan_completion(body)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(self._stream_completion(body, plans, rid, created, arrival),
+                                     media_type="text/event-stream")
+        work = asyncio.ensure_future(asyncio.gather(*[
+            self.collect(f"{rid}-{i}", ids, params, arrival) for i, (ids, params) in enumerate(plans)]))
+        results = await self.until_done_or_disconnected(request, work)
+        if results is None:
+            return Response(status_code=499)
+        choices = []
+        for i, ((ids, _), c) in enumerate(zip(plans, results)):
+            text, lps = c.text, None
+            if body.logprobs is not None:
+                lps = self.completion_logprobs(c.token_ids, list(c.logprobs), 0)
+            if body.echo:
+                echo_text, echo_lps = self.echo_part(body, ids, c.prompt_logprobs)
+                if lps is not None and echo_lps is not None:
+                    shift = len(echo_text)
+                    lps = {k: echo_lps[k] + (lps[k] if k != "text_offset" else [o + shift for o in lps[k]])
+                           for k in lps}
+                text = echo_text + text
+            choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": self.served_model_name,
+            "choices": choices,
+            "usage": usage(sum(c.num_prompt_tokens for c in results), sum(c.num_output_tokens for c in results),
+                           sum(c.num_cached_tokens for c in results)),
+        })
+
+    async def _merged(self, rid: str, plans: list[tuple[list[int], SamplingParams]],
+                      arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several prompts interleaved as they arrive; cancelling aborts them all."""
+        if len(plans) == 1:
+            async for out in self.stream_outputs(f"{rid}-0", plans[0][0], plans[0][1], arrival):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
+            try:
+                async for out in self.stream_outputs(f"{rid}-{i}", ids, params, arrival):
+                    await queue.put((i, out))
+            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, ids, p)) for i, (ids, p) in enumerate(plans)]
+        try:
+            remaining = len(plans)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield i, item
+                remaining -= item.finished
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _stream_completion(self, body: CompletionRequest, plans, rid: str, created: int,
+                                 arrival: float) -> AsyncIterator[bytes]:
+        def chunk(choices: list[dict], extra: dict | None = None) -> bytes:
+            payload = {"id": rid, "object": "text_completion", "created": created,
+                       "model": self.served_model_name, "choices": choices, **(extra or {})}
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+        totals = [0, 0, 0]
+        offsets = [0] * len(plans)
+        try:
+            if body.echo and body.logprobs is None:
+                for i, (ids, _) in enumerate(plans):
+                    text, _ = self.echo_part(body, ids, None)
+                    offsets[i] = len(text)
+                    yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
+            async for i, out in self._merged(rid, plans, arrival):
+                lps = None
+                text = out.new_text
+                if out.prompt_logprobs is not None and body.echo:
+                    echo_text, lps_echo = self.echo_part(body, plans[i][0], out.prompt_logprobs)
+                    yield chunk([{"index": i, "text": echo_text, "logprobs": lps_echo, "finish_reason": None}])
+                    offsets[i] = len(echo_text)
+                if body.logprobs is not None and out.new_logprobs:
+                    lps = self.completion_logprobs(out.new_token_ids, list(out.new_logprobs), offsets[i])
+                if text or lps or out.finished:
+                    yield chunk([{"index": i, "text": text, "logprobs": lps,
+                                  "finish_reason": out.finish_reason if out.finished else None}])
+                offsets[i] += len(text)
+                if out.finished:
+                    totals[0] += out.num_prompt_tokens
+                    totals[1] += out.num_output_tokens
+                    totals[2] += out.num_cached_tokens
+            if body.include_usage:
+                yield chunk([], {"usage": usage(*totals)})
+        except (BadRequestError, EngineBusyError, EngineDeadError) as exc:
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    # -- chat --------------------------------------------------------------------------------
+
+    def plan_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        prompt = self.tokenizer.apply_chat_template(body.plain_messages(),
+                                                    add_generation_prompt=body.add_generation_prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)  # the template writes its own BOS
+        requested = body.requested_max_tokens()
+        max_tokens = requested if requested is not None else self.default_max_tokens(len(ids))
+        top = body.top_logprobs
+        if top is not None and not body.logprobs:
+            raise BadRequestError("top_logprobs needs logprobs=true")
+        params = body.sampling(max_tokens, (top or 0) if body.logprobs else None)
+        self.engine.check_request(ids, params)
+        return ids, params
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        ids, params = self.plan_chat(body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(self._stream_chat(body, ids, params, rid, created, arrival),
+                                     media_type="text/event-stream")
+        work = asyncio.ensure_future(self.collect(rid, ids, params, arrival))
+        c = await self.until_done_or_disconnected(request, work)
+        if c is None:
+            return Response(status_code=499)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": self.served_model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": self.chat_logprobs(c.logprobs) if body.logprobs else None,
+                         "finish_reason": c.finish_reason}],
+            "usage": usage(c.num_prompt_tokens, c.num_output_tokens, c.num_cached_tokens),
+        })
+
+    async def _stream_chat(self, body: ChatCompletionRequest, ids: list[int], params: SamplingParams, rid: str,
+                           created: int, arrival: float) -> AsyncIterator[bytes]:
+        def chunk(choices: list[dict], extra: dict | None = None) -> bytes:
+            payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                       "model": self.served_model_name, "choices": choices, **(extra or {})}
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+        try:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+            last: RequestOutput | None = None
+            async for out in self.stream_outputs(rid, ids, params, arrival):
+                last = out
+                lps = self.chat_logprobs(out.new_logprobs) if body.logprobs and out.new_logprobs else None
+                if out.new_text or lps or out.finished:
+                    delta = {"content": out.new_text} if out.new_text else {}
+                    yield chunk([{"index": 0, "delta": delta, "logprobs": lps,
+                                  "finish_reason": out.finish_reason if out.finished else None}])
+            if body.include_usage and last is not None:
+                yield chunk([], {"usage": usage(last.num_prompt_tokens, last.num_output_tokens,
+                                                 last.num_cached_tokens)})
+        except (BadRequestError, EngineBusyError, EngineDeadError) as exc:
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    # -- small endpoints ---------------------------------------------------------------------
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequestError("give exactly one of prompt or messages")
+        if body.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt)
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = self.tokenizer.encode(body.prompt or "")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        vocab = self.engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def stats(self) -> dict[str, Any]:
+        stats = engine_stats(self.engine, self.served_model_name, self.started_at)
+        stats["engine_alive"] = self.async_engine.alive
+        return stats
+
+
+def build_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.async_engine.start(asyncio.get_running_loop())
+        yield
+        server.async_engine.shutdown()
+
+    app = FastAPI(title="lab engine", version="0.1.0", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if server.api_key and request.url.path not in OPEN_PATHS:
+            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
+                return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                      "authentication_error", "invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _validation_message(exc), "invalid_request_error")
+
+    @app.exception_handler(BadRequestError)
+    async def on_bad_request(request: Request, exc: BadRequestError) -> JSONResponse:
+        return error_response(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(ModelNotFound)
+    async def on_not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
+        return error_response(404, str(exc), "invalid_request_error", "model_not_found", "model")
+
+    @app.exception_handler(EngineBusyError)
+    async def on_busy(request: Request, exc: EngineBusyError) -> JSONResponse:
+        return error_response(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not server.async_engine.alive:
+            return error_response(503, "the engine loop is not running", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": server.served_model_name, "object": "model", "created": int(server.started_at),
+            "owned_by": "lab", "max_model_len": server.engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return server.detokenize(body)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        dropped = await server.async_engine.call(lambda e: e.reset_prefix_cache())
+        return {"status": "ok", "blocks_dropped": dropped}
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        return server.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
