@@ -1,0 +1,246 @@
+"""The engine's HTTP server, live, through the official openai SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.engine.server_process import engine_server
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with engine_server(tmp_path_factory.mktemp("server"), "--max-model-len", "1024") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def wait_idle(server, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["blocks_in_use"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+# -- the SDK -----------------------------------------------------------------------------------
+
+def test_completions_stream_and_not(client) -> None:
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in r.choices[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (5, 8)
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+
+
+def test_chat_stream_and_not(client) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_logprobs(client) -> None:
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == r.usage.completion_tokens == len(lp.tokens)
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and value <= 0
+        assert max(top.values()) == pytest.approx(value)  # greedy picks the best
+        assert top[token] == pytest.approx(value)
+    assert "".join(lp.tokens) == r.choices[0].text
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_echo_prompt_logprobs_match_transformers(client, hf_model, hf_tokenizer) -> None:
+    """What lm-evaluation-harness `local-completions` sends for loglikelihood tasks."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                  seed=1234)
+    lp = r.choices[0].logprobs
+    ids = hf_tokenizer(prompt)["input_ids"]
+    assert r.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4)
+    assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+
+
+def test_cached_tokens_on_a_repeated_prompt(client) -> None:
+    prompt = "Repeat after me: " + " ".join(f"word{i}" for i in range(60))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+
+
+def test_stop_and_seed(client) -> None:
+    r = client.completions.create(model=MODEL, prompt="One. Two. Three. Four.", max_tokens=30, temperature=0,
+                                  stop=["."])
+    assert "." not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+    kwargs = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=7)
+    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+
+
+def test_tokenize_detokenize_models(server) -> None:
+    t = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello world"}).json()
+    assert t["count"] == len(t["tokens"]) == 2 and t["max_model_len"] == 1024
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "hello world"
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+
+
+def test_stats_and_metrics(server) -> None:
+    stats = server.stats()
+    assert len(stats["config_hash"]) == 16 and stats["config"]["max_model_len"] == 1024
+    assert stats["kv_pool"]["tokens"] == stats["kv_pool"]["blocks"] * 16
+    assert stats["device"] == "cpu" and stats["peak_memory_bytes"] > 0
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in ("lab:num_requests_running", "lab:num_requests_waiting", "lab:kv_cache_usage_perc",
+                 "lab:prefix_cache_queries_total", "lab:prefix_cache_hits_total",
+                 "lab:time_to_first_token_seconds_bucket", "lab:inter_token_latency_seconds_bucket",
+                 "lab:num_preemptions_total"):
+        assert name in metrics, name
+    httpx.post(f"{server.url}/reset_prefix_cache").raise_for_status()
+    assert server.stats()["prefix_cache"]["cached_blocks"] == 0
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def error_of(response: httpx.Response) -> str:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "code"}
+    assert "\n" not in body["error"]["message"]
+    return body["error"]["message"]
+
+
+def test_error_statuses(server) -> None:
+    url = f"{server.url}/v1/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in error_of(r)
+    r = httpx.post(url, json={"prompt": "hi", "max_tokens": "many"})
+    assert r.status_code == 400 and "max_tokens" in error_of(r)
+    r = httpx.post(url, json={"prompt": "hi", "temperature": -3})
+    assert r.status_code == 400 and "temperature" in error_of(r)
+    r = httpx.post(url, json={"prompt": "word " * 1100, "max_tokens": 1})
+    n = httpx.post(f"{server.url}/tokenize", json={"prompt": "word " * 1100}).json()["count"]
+    assert r.status_code == 400 and f"{n} tokens" in error_of(r) and "context is 1024" in error_of(r)
+    r = httpx.post(url, json={"model": "gpt-9", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+
+
+def test_api_key_and_queue_full(tmp_path) -> None:
+    with engine_server(tmp_path, "--max-model-len", "512", "--api-key", "sesame", "--max-num-seqs", "1",
+                       "--max-waiting", "1") as s:
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi"}).status_code == 401
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        headers = {"Authorization": "Bearer sesame"}
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(headers=headers, timeout=120) as c:
+                body = {"prompt": "Count to ten:", "max_tokens": 40, "ignore_eos": True}
+                rs = await asyncio.gather(*[c.post(f"{s.url}/v1/completions", json=body) for _ in range(6)])
+                return [r.status_code for r in rs]
+
+        codes = asyncio.run(burst())
+        assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+
+
+def test_sigterm_stops_within_five_seconds(tmp_path) -> None:
+    with engine_server(tmp_path, "--max-model-len", "512") as s:
+        text = s.log_text()
+        assert "effective config" in text and "KV pool" in text and s.stats()["config_hash"] in text
+        # A request in flight must not hold the shutdown up.
+        pending = httpx.AsyncClient(timeout=30)
+
+        async def start_then_stop() -> float:
+            task = asyncio.ensure_future(pending.post(f"{s.url}/v1/completions",
+                                                      json={"prompt": "Tell a story", "max_tokens": 400,
+                                                            "ignore_eos": True}))
+            await asyncio.sleep(1.0)
+            t0 = time.monotonic()
+            os.killpg(s.proc.pid, signal.SIGTERM)
+            while s.proc.poll() is None:
+                await asyncio.sleep(0.05)
+            task.cancel()
+            await pending.aclose()
+            return time.monotonic() - t0
+
+        assert asyncio.run(start_then_stop()) < 5.0
+
+
+# -- load and abuse ----------------------------------------------------------------------------
+
+def test_fifty_disconnecting_clients_leave_no_blocks(server) -> None:
+    async def one(c: httpx.AsyncClient, i: int) -> int:
+        body = {"prompt": f"Story number {i}: once upon a time", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        got = 0
+        async with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    got += 1
+                    if got == 2:
+                        break  # hang up mid-stream
+        return got
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=60)) as c:
+            return await asyncio.gather(*[one(c, i) for i in range(50)])
+
+    assert asyncio.run(main()) == [2] * 50
+    stats = wait_idle(server)
+    assert (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0)
+    assert stats["requests_aborted"] >= 50
+
+
+def test_burst_beyond_the_kv_pool_completes_through_preemption(tmp_path) -> None:
+    # 32 blocks x 16 = 512 tokens: room for about four of these requests at once.
+    with engine_server(tmp_path, "--max-model-len", "512", "--num-kv-blocks", "32") as s:
+        async def main() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=300) as c:
+                bodies = [{"prompt": f"Request {i}: " + "tell me about the sea. " * 8, "max_tokens": 48,
+                           "ignore_eos": True, "temperature": 0} for i in range(16)]
+                return await asyncio.gather(*[c.post(f"{s.url}/v1/completions", json=b) for b in bodies])
+
+        responses = asyncio.run(main())
+        assert [r.status_code for r in responses] == [200] * 16
+        assert all(r.json()["usage"]["completion_tokens"] == 48 for r in responses)
+        stats = s.stats()
+        assert stats["preemptions"] > 0 and stats["blocks_in_use"] == 0
