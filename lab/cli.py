@@ -20,7 +20,8 @@ def _db_arg(parser: argparse.ArgumentParser) -> None:
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ladder", nargs="?", metavar="LADDER.yaml", help="the ladder to run")
-    parser.add_argument("--resume", metavar="RUN", help="finish an interrupted run (its id or name); no LADDER")
+    parser.add_argument("--resume", metavar="RUN",
+                        help="finish an interrupted run (its name, id, or ladder name for its latest run); no LADDER")
     parser.add_argument("--name", help="name of the new run (default: <ladder name>-<date>-<time>)")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
     parser.add_argument("--dry-run", action="store_true", help="validate the ladder and print its boots; run nothing")
@@ -59,7 +60,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _ls_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", nargs="?", metavar="RUN", help="a run's id or name: list its arms and boots")
+    parser.add_argument("run", nargs="?", metavar="RUN",
+                        help="a run (name, id, or ladder name for its latest run): list its arms and boots")
     _db_arg(parser)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -19,7 +21,8 @@ def _status(text: str) -> str:
 
 
 def _change(change: dict) -> str:
-    return ", ".join(f"{k}={v}" for part in ("flags", "env") for k, v in change.get(part, {}).items()) or "-"
+    return ", ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                     for part in ("flags", "env") for k, v in change.get(part, {}).items()) or "-"
 
 
 def print_runs(console: Console, store: Store) -> None:

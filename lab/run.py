@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import signal
 import threading
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -71,6 +73,7 @@ def execute(store: Store, run: m.Run, console: Console) -> Outcome:
     plan = render.plan(ladder)
     slots = reader.slots(store, run.id)
     _check_plan(run, plan, slots, reader.arms(store, run.id))
+    _claim(store, run)
     _stop_left_behind(store, run, ladder.engine.stop_grace_s)
     rc = RunContext(store=store, run_id=run.id, run_name=run.name, logs_dir=Path(run.logs_dir), ladder=ladder,
                     plan=plan, fingerprint=fingerprint.collect(),
@@ -117,6 +120,20 @@ def _check_plan(run: m.Run, plan: render.Plan, slots: list[m.Slot], arms: list[m
     hashes = {a.name: a.config_hash for a in arms}
     if stored != planned or hashes != {a.name: a.config_hash for a in plan.arms}:
         raise RunError(f"run {run.name} was planned differently by an earlier lab version; start a new run instead")
+
+
+def _claim(store: Store, run: m.Run) -> None:
+    """Refuse a run another live `lab run` is working on; otherwise take it over."""
+    if run.owner_pid is not None and run.owner_pid != os.getpid():
+        try:
+            owner = psutil.Process(run.owner_pid)
+            if run.owner_started is not None and abs(owner.create_time() - run.owner_started) < 0.01:
+                raise RunError(f"run {run.name} is still running in process {run.owner_pid}; "
+                               "let it finish, or stop it before resuming")
+        except psutil.Error:
+            pass  # that process is gone: the run is ours to finish
+    me = psutil.Process()
+    writer.claim_run(store, run.id, me.pid, me.create_time())
 
 
 def _stop_left_behind(store: Store, run: m.Run, grace_s: float) -> None:

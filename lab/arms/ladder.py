@@ -90,7 +90,11 @@ class Gate(MetricRef):
 
 
 class Keep(Strict):
+    """Data for `lab.keep.KeepRule`: directions come from the instruments' declared metrics."""
+
     threshold_pct: float = Field(2.0, ge=0)
+    max_drift_pct: float | None = Field(None, ge=0, description="controls further apart void the window; "
+                                                                "default threshold_pct")
     metrics: list[Union[str, MetricRef]] = Field(default_factory=list, description="key metrics, <instrument>.<metric>")
     gates: list[Gate] = Field(default_factory=list)
 

@@ -60,6 +60,11 @@ def _schema_problems(exc: ValidationError, located: Located) -> list[Problem]:
     for path, errors in grouped.items():
         first = errors[0]
         where = _dotted(path)
+        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            tag = str(first["ctx"].get("discriminator", "")).strip("'")
+            expected = str(first["ctx"].get("expected_tags", "")).replace("'", "")
+            problems.append(Problem(located.line(path + (tag,)), f"{_dotted(path + (tag,))} must be one of {expected}"))
+            continue
         if first["type"] == "missing":
             field = first["loc"][-1]
             reason = f"{where + ': ' if where else ''}missing required field {field!r}"
@@ -131,7 +136,8 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
             if base is None or arm_problems:
                 continue
             cfg = _arm_config(ladder, arm, where, located, problems)
-            if cfg == base and (arm.flags or arm.env):
+            # Variables outside the engine's knobs (PYTORCH_CUDA_ALLOC_CONF) change the process, not its config.
+            if cfg == base and render.merged(ladder, arm)[1] == render.merged(ladder, None)[1] and (arm.flags or arm.env):
                 hint = " (flags override LAB_ENGINE_* variables)" if arm.env and isinstance(engine, BundledEngine) else ""
                 problems.append(Problem(located.line(where), f"arm {arm.name} boots the same config as its control; "
                                                              f"it changes nothing{hint}"))
@@ -202,15 +208,18 @@ def _bundled_flags(where: tuple[Any, ...], flags: dict[str, Any], env: dict[str,
             problems.append(Problem(line, f"unknown engine variable {name!r}: no knob "
                                           f"{name[len(engine_config.ENV_PREFIX):].lower()!r} in the bundled engine"))
             continue
-        problems += _coerce(knob, render.env_value(value), line)
+        problems += _coerce(knob, render.env_value(value), line, env_var=name)
     return problems
 
 
-def _coerce(knob: str, value: Any, line: int) -> list[Problem]:
+def _coerce(knob: str, value: Any, line: int, env_var: str | None = None) -> list[Problem]:
     try:
         engine_config.coerce(knob, value)
     except engine_config.ConfigError as exc:
-        return [Problem(line, str(exc))]
+        reason = str(exc)
+        if env_var:  # the engine's message names the flag; the ladder wrote the variable
+            reason = f"{env_var}: {reason.split(': ', 1)[-1]}"
+        return [Problem(line, reason)]
     return []
 
 

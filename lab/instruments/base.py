@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel
 
+from lab.instruments.receipt import Receipt
+
 if TYPE_CHECKING:
     from lab.mem_sampler import MemSampler
     from lab.store.db import Store
@@ -25,32 +27,6 @@ Better = Literal["higher", "lower"]
 class Step:
     key: str  # unique within the instrument's plan, stable across calls: "len=2048/rep=2"
     params: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Receipt:
-    """One request behind a cell. Times are `time.perf_counter_ns()` on the client.
-
-    The writer reads these attribute names from any object, so the streaming client's own receipt
-    type can be handed over as it is when its fields carry the same names.
-    """
-
-    endpoint: str  # "/v1/completions", "/v1/stats", ...
-    status: int | None = None  # HTTP status; None when no response came
-    error: str | None = None
-    t_queued_ns: int | None = None  # when the request was ready to go (client-side waiting shows here)
-    t_sent_ns: int | None = None
-    t_first_ns: int | None = None  # first token
-    t_last_ns: int | None = None  # last token
-    t_done_ns: int | None = None  # response complete
-    token_times_ns: list[int] | None = None
-    prompt_tokens: int | None = None  # from the server's usage, never counted client-side
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    text: str | None = None
-    finish_reason: str | None = None
-    payload: Any = None  # the request body as sent
-    response: Any = None  # a non-streamed body, or the final usage chunk of a stream
 
 
 @dataclass
@@ -81,7 +57,7 @@ class QevalItem:
 @dataclass
 class StepResult:
     cells: list[Cell] = field(default_factory=list)
-    receipts: list[Any] = field(default_factory=list)  # Receipt or anything with its attribute names
+    receipts: list[Receipt] = field(default_factory=list)
     items: list[QevalItem] = field(default_factory=list)
 
 

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from lab.instruments.base import Better, BootContext, Cell, Receipt, Step, StepResult
+from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.receipt import Receipt
 
 GIB = 1024**3
 
@@ -67,10 +68,11 @@ def _gib(value: Any) -> float | None:
 
 
 async def _get_stats(ctx: BootContext) -> Receipt:
-    receipt = Receipt(endpoint="/v1/stats")
+    receipt = Receipt(request_id=f"stats-{ctx.salt}", endpoint="/v1/stats", payload={},
+                      t_queued_ns=time.perf_counter_ns())
     headers = {"Authorization": f"Bearer {ctx.api_key}"} if ctx.api_key else {}
     async with httpx.AsyncClient(timeout=30.0, headers=headers) as client:
-        receipt.t_queued_ns = receipt.t_sent_ns = time.perf_counter_ns()
+        receipt.t_sent_ns = time.perf_counter_ns()
         try:
             response = await client.get(f"{ctx.base_url}/v1/stats")
         except httpx.HTTPError as exc:
@@ -82,6 +84,7 @@ async def _get_stats(ctx: BootContext) -> Receipt:
     try:
         receipt.response = response.json()
     except ValueError:
-        receipt.response = None
         receipt.text = response.text[:2000]
+    if response.status_code != 200:
+        receipt.error = f"HTTP {response.status_code}"
     return receipt

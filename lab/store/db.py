@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from lab.store.models import Base, Meta
@@ -34,10 +35,11 @@ class Store:
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
+    # First, so that switching to WAL waits for another process's lock instead of failing at once.
+    cursor.execute("PRAGMA busy_timeout=30000")
     # WAL: `lab ls` can read while `lab run` writes, and a killed writer loses no committed step.
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
 
 
@@ -54,13 +56,10 @@ def open_store(target: str, create: bool = True) -> Store:
         raise StoreError(f"no store at {target}; pass --db with the file `lab run` wrote")
     store = Store(url)
     try:
-        Base.metadata.create_all(store.engine)
-        with store.session() as session, session.begin():
-            row = session.get(Meta, "schema_version")
-            if row is None:
-                session.add(Meta(key="schema_version", value=SCHEMA_VERSION))
-            elif row.value != SCHEMA_VERSION:
-                raise StoreError(f"{target} has store schema {row.value}; this lab writes schema {SCHEMA_VERSION}")
+        _create_tables(store)
+        version = _schema_version(store)
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"{target} has store schema {version}; this lab writes schema {SCHEMA_VERSION}")
     except StoreError:
         store.close()
         raise
@@ -70,6 +69,26 @@ def open_store(target: str, create: bool = True) -> Store:
     return store
 
 
-def schema_version(store: Store) -> str | None:
-    with store.session() as session:
-        return session.scalar(select(Meta.value).where(Meta.key == "schema_version"))
+def _schema_version(store: Store) -> str:
+    """The store's schema version, recorded as ours when the store is new."""
+    try:
+        with store.session() as session, session.begin():
+            row = session.get(Meta, "schema_version")
+            if row is not None:
+                return row.value
+            session.add(Meta(key="schema_version", value=SCHEMA_VERSION))
+            return SCHEMA_VERSION
+    except IntegrityError:  # another process recorded it first
+        with store.session() as session:
+            return session.get_one(Meta, "schema_version").value
+
+
+def _create_tables(store: Store, attempts: int = 5) -> None:
+    """Create missing tables; another process creating them at the same moment is not an error."""
+    for attempt in range(attempts):
+        try:
+            Base.metadata.create_all(store.engine)
+            return
+        except OperationalError as exc:
+            if "already exists" not in str(exc) or attempt == attempts - 1:
+                raise

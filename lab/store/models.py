@@ -35,6 +35,9 @@ class Run(Base):
     engine_kind: Mapped[str] = mapped_column(String(16))
     logs_dir: Mapped[str] = mapped_column(Text)
     status: Mapped[str] = mapped_column(String(16))  # running | done | interrupted
+    # The `lab run` process working on it, so a second `--resume` cannot stop engines a live run owns.
+    owner_pid: Mapped[int | None]
+    owner_started: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime]
     finished_at: Mapped[datetime | None]
 
@@ -149,7 +152,8 @@ class Cell(Base):
 
 
 class Request(Base):
-    """The receipt: one HTTP request as the client saw it, with the server's token counts."""
+    """The receipt (`lab.instruments.receipt.Receipt`): one request as the client saw it, with the
+    server's token counts."""
 
     __tablename__ = "request"
     __table_args__ = (UniqueConstraint("step_id", "idx"),)
@@ -173,6 +177,15 @@ class Request(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     payload: Mapped[Any] = mapped_column(JSON, nullable=True)
     response: Mapped[Any] = mapped_column(JSON, nullable=True)
+    request_id: Mapped[str | None] = mapped_column(String(128))
+    response_id: Mapped[str | None] = mapped_column(String(128))
+    chunk_tokens: Mapped[list[Any] | None] = mapped_column(JSON)  # tokens per chunk, from a running usage
+    usage_present: Mapped[bool | None]
+    cached_tokens_present: Mapped[bool | None]
+    reasoning_text: Mapped[str | None] = mapped_column(Text)
+    logprobs: Mapped[list[Any] | None] = mapped_column(JSON)  # [{token, logprob, top: {token: logprob}}]
+    opened_connection: Mapped[bool | None]
+    read_lag_max_ns: Mapped[int | None] = mapped_column(BigInteger)  # how far the client fell behind
 
 
 class QevalItem(Base):
@@ -194,14 +207,14 @@ class QevalItem(Base):
 
 
 class Verdict(Base):
-    """The KEEP rule's decision for one arm, against its window's controls."""
+    """The KEEP rule's decision for one arm against its window's controls (`lab.keep.Verdict`)."""
 
     __tablename__ = "verdict"
     __table_args__ = (UniqueConstraint("run_id", "arm_id"),)
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id"))
     arm_id: Mapped[int] = mapped_column(ForeignKey("arm.id"))
-    keep: Mapped[bool]
-    reason: Mapped[str] = mapped_column(Text)
-    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    decision: Mapped[str] = mapped_column(String(16))  # keep | reject | inconclusive
+    reasons: Mapped[list[Any]]  # deciding reasons first
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)  # Verdict.to_dict(): metric rows, gates, ...
     created_at: Mapped[datetime]

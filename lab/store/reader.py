@@ -28,11 +28,13 @@ class RunSummary:
 
 
 def find_run(store: Store, ref: str) -> m.Run:
-    """A run by id or name; LookupError names what to do when there is none."""
+    """A run by name, id, or ladder name (its latest run); LookupError says what to do when none."""
     with store.session() as s:
         run = s.scalar(select(m.Run).where(m.Run.name == ref))
         if run is None and ref.isdigit():
             run = s.get(m.Run, int(ref))
+        if run is None:
+            run = s.scalar(select(m.Run).where(m.Run.ladder_name == ref).order_by(m.Run.id.desc()).limit(1))
         if run is None:
             raise LookupError(f"no run {ref!r} in this store; `lab ls` lists the runs")
         return run

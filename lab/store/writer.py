@@ -19,9 +19,11 @@ from lab.instruments.base import StepResult
 from lab.store import models as m
 from lab.store.db import Store
 
+# Attribute names read from each receipt (lab.instruments.receipt.Receipt); absent ones are stored as NULL.
 RECEIPT_FIELDS = ("endpoint", "status", "error", "t_queued_ns", "t_sent_ns", "t_first_ns", "t_last_ns", "t_done_ns",
                   "token_times_ns", "prompt_tokens", "completion_tokens", "cached_tokens", "text", "finish_reason",
-                  "payload", "response")
+                  "payload", "response", "request_id", "response_id", "chunk_tokens", "usage_present",
+                  "cached_tokens_present", "reasoning_text", "logprobs", "opened_connection", "read_lag_max_ns")
 
 
 def now() -> datetime:
@@ -53,6 +55,12 @@ def create_run(store: Store, *, name: str, ladder_name: str, ladder_path: str, l
             s.add(m.Slot(run_id=run.id, idx=slot.idx, arm_id=arm_ids[slot.arm], role=slot.role,
                          position=slot.position, window=slot.window, status="pending"))
         return run.id
+
+
+def claim_run(store: Store, run_id: int, pid: int, started: float | None) -> None:
+    with store.session() as s, s.begin():
+        run = s.get_one(m.Run, run_id)
+        run.owner_pid, run.owner_started = pid, started
 
 
 def set_run_status(store: Store, run_id: int, status: str) -> None:
@@ -117,14 +125,15 @@ def write_step(store: Store, *, slot_id: int, boot_id: int, instrument: str, ste
         return row.id
 
 
-def write_verdict(store: Store, *, run_id: int, arm: str, keep: bool, reason: str, detail: dict[str, Any]) -> None:
+def write_verdict(store: Store, *, run_id: int, arm: str, decision: str, reasons: list[str],
+                  detail: dict[str, Any]) -> None:
     """The KEEP decision for an arm; a later decision for the same arm replaces the earlier one."""
     with store.session() as s, s.begin():
         arm_id = s.scalar(select(m.Arm.id).where(m.Arm.run_id == run_id, m.Arm.name == arm))
         if arm_id is None:
             raise KeyError(f"run {run_id} has no arm {arm!r}")
         s.execute(delete(m.Verdict).where(m.Verdict.run_id == run_id, m.Verdict.arm_id == arm_id))
-        s.add(m.Verdict(run_id=run_id, arm_id=arm_id, keep=keep, reason=reason, detail=_json(detail),
+        s.add(m.Verdict(run_id=run_id, arm_id=arm_id, decision=decision, reasons=list(reasons), detail=_json(detail),
                         created_at=now()))
 
 
@@ -132,6 +141,10 @@ def _json(value: Any) -> Any:
     """Round-trip through JSON so what is stored is exactly what a reader will get back."""
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
+    return json.loads(json.dumps(value, default=_plain))
+
+
+def _plain(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
-        value = asdict(value)
-    return json.loads(json.dumps(value, default=str))
+        return asdict(value)
+    return str(value)
