@@ -1,0 +1,150 @@
+"""A ladder that cannot be run as written is refused with the file, the line and one reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lab.arms.errors import LadderError
+from lab.arms.ladder import json_schema
+from lab.arms.validate import load_ladder, parse_ladder
+from tests.lab.conftest import REPO
+
+GOOD = """\
+name: t
+engine:
+  kind: bundled
+  flags: {device: cpu}
+windows:
+  - name: W1
+    arms:
+      - {name: A1, flags: {max-num-seqs: 4}}
+instruments:
+  memory:
+keep:
+  metrics: [memory.peak_memory_gib]
+"""
+
+
+def variant(old: str, new: str) -> str:
+    assert old in GOOD
+    return GOOD.replace(old, new)
+
+
+ARM = "      - {name: A1, flags: {max-num-seqs: 4}}"
+
+# (case, ladder text, line, words the reason must contain)
+INVALID = [
+    ("multi-change arm", variant(ARM, "      - {name: A1, flags: {max-num-seqs: 4, block-size: 32}}"), 8,
+     "changes 2 things"),
+    ("flag and env in one arm", variant(ARM, "      - name: A1\n        flags: {max-num-seqs: 4}\n"
+                                             "        env: {LAB_ENGINE_SEED: 3}"), 8, "multi: true"),
+    ("unknown bundled flag", variant(ARM, "      - name: A1\n        flags:\n          max-num-seq: 4"), 10,
+     "unknown flag 'max-num-seq' for the bundled engine"),
+    ("unknown base flag", variant("flags: {device: cpu}", "flags:\n    device: cpu\n    turbo: true"), 6,
+     "unknown flag 'turbo'"),
+    ("unknown LAB_ENGINE_ variable", variant(ARM, "      - name: A1\n        env:\n          LAB_ENGINE_TURBO: 1"),
+     10, "unknown engine variable 'LAB_ENGINE_TURBO'"),
+    ("bad flag value", variant(ARM, "      - {name: A1, flags: {max-num-seqs: lots}}"), 8,
+     "--max-num-seqs: expected int, got 'lots'"),
+    ("bad env value", variant(ARM, "      - name: A1\n        env:\n          LAB_ENGINE_ENABLE_PREFIX_CACHING: maybe"),
+     10, "LAB_ENGINE_ENABLE_PREFIX_CACHING: expected bool, got 'maybe'"),
+    ("bad choice", variant(ARM, "      - name: A1\n        flags:\n          dtype: fp64"), 10, "'fp64' is not one of"),
+    ("knobs that cannot go together", variant(ARM, "      - name: A1\n        flags:\n          block-size: 12"), 10,
+     "power of two"),
+    ("duplicate arm names across windows", GOOD.replace("instruments:", "  - name: W2\n    arms:\n"
+                                                                         "      - {name: A1, flags: {seed: 1}}\n"
+                                                                         "instruments:"), 11,
+     "duplicate arm name 'A1' (also at line 8)"),
+    ("control named like an arm", variant("  - name: W1\n", "  - name: W1\n    control: A1\n"), 9,
+     "duplicate arm name 'A1'"),
+    ("duplicate window names", GOOD.replace("instruments:", "  - name: W1\n    control: W1b\n"
+                                                            "instruments:"), 9, "duplicate window name 'W1'"),
+    ("arm that changes nothing", variant(ARM, "      - {name: A1}"), 8, "changes nothing"),
+    ("arm equal to its control", variant(ARM, "      - {name: A1, flags: {max-num-seqs: 256}}"), 8,
+     "same config as its control"),
+    ("KEEP metric nothing produces", variant("[memory.peak_memory_gib]", "[memory.tok_s]"), 12,
+     "KEEP metric 'memory.tok_s': no instrument produces it"),
+    ("KEEP metric of an unregistered instrument", variant("[memory.peak_memory_gib]", "[decode.c1_tok_s]"), 12,
+     "'decode' is not a registered instrument"),
+    ("KEEP metric of an instrument not in the ladder", variant("instruments:\n  memory:\n", "instruments: {}\n"), 11,
+     "'memory' is not in this ladder's instruments"),
+    ("KEEP gate nothing produces", GOOD + "  gates:\n    - {metric: memory.nope, min: 1}\n", 14,
+     "KEEP metric 'memory.nope'"),
+    ("unregistered instrument", variant("  memory:\n", "  memory:\n  prefill: {lengths: [512]}\n"), 11,
+     "unknown instrument 'prefill' (registered: memory"),
+    ("bad YAML syntax", variant("  - name: W1\n", "  - name: W1\n   arms: [\n"), 7, "YAML syntax"),
+    ("duplicate YAML key", variant("  flags: {device: cpu}\n", "  flags: {device: cpu}\n  flags: {seed: 1}\n"), 5,
+     "duplicate key 'flags'"),
+    ("missing engine", GOOD.replace("engine:\n  kind: bundled\n  flags: {device: cpu}\n", ""), 1,
+     "missing required field 'engine'"),
+    ("missing window name", variant("  - name: W1\n    arms:", "  - arms:"), 6, "missing required field 'name'"),
+    ("unknown engine kind", variant("kind: bundled", "kind: docker"), 3, "engine.kind must be one of bundled, command"),
+    ("misspelt key", variant("windows:", "hygene: {}\nwindows:"), 5, "unknown key 'hygene' in the ladder"),
+    ("wrong type", GOOD + "  threshold_pct: lots\n", 13, "keep.threshold_pct"),
+    ("name unfit for a file name", variant("{name: A1,", "{name: A1/x,"), 8, "windows[0].arms[0].name"),
+    ("env value with a line break", variant(ARM, '      - name: A1\n        env: {HF_HOME: "a\\nb"}'), 9,
+     "line break"),
+    ("command without {port}", textwrap.dedent("""\
+        name: c
+        engine:
+          kind: command
+          command: [server, --model, "{model}"]
+          model: m
+        windows:
+          - name: W1
+        """), 4, "no {port} placeholder"),
+]
+
+
+@pytest.mark.parametrize("text,line,words", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_ladder_is_refused_at_its_line(text: str, line: int, words: str) -> None:
+    with pytest.raises(LadderError) as caught:
+        parse_ladder(text, "bad.yaml")
+    found = [p for p in caught.value.problems if words in p.reason]
+    assert found, f"no problem mentions {words!r}: {caught.value}"
+    assert found[0].line == line, str(caught.value)
+    assert f"bad.yaml:{line}: " in str(caught.value)
+
+
+def test_error_names_the_file_and_every_problem_on_its_own_line(tmp_path: Path) -> None:
+    path = tmp_path / "two.yaml"
+    path.write_text(variant(ARM, "      - {name: A1, flags: {max-num-seqs: 4, seed: 2}}\n"
+                                 "      - {name: A2, flags: {no-such: 1}}"))
+    with pytest.raises(LadderError) as caught:
+        load_ladder(path)
+    assert caught.value.lines() == [
+        f"{path}:8: arm A1 changes 2 things (flag max-num-seqs, flag seed); "
+        "split it into one arm per change or mark it multi: true",
+        f"{path}:9: unknown flag 'no-such' for the bundled engine (`lab engine serve --help` lists them)",
+    ]
+
+
+def test_multi_arm_is_accepted_and_env_only_counts_once() -> None:
+    ladder = parse_ladder(variant(ARM, "      - {name: A1, multi: true, flags: {max-num-seqs: 4, seed: 2}}\n"
+                                       "      - {name: A2, env: {PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:True'}}"),
+                          "ok.yaml")
+    assert [a.name for a in ladder.windows[0].arms] == ["A1", "A2"]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "ladders").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_ladders_are_valid_and_point_at_the_schema(path: Path) -> None:
+    load_ladder(path)
+    assert path.read_text().startswith("# yaml-language-server: $schema=./ladder.schema.json")
+
+
+def test_published_schema_matches_the_code() -> None:
+    committed = json.loads((REPO / "ladders" / "ladder.schema.json").read_text())
+    assert committed == json_schema(), "regenerate it: lab schema -o ladders/ladder.schema.json"
+
+
+def test_validating_a_ladder_and_lab_help_never_import_torch() -> None:
+    code = ("import sys; from lab.cli import build_parser; build_parser().format_help(); "
+            "from lab.arms.validate import load_ladder; load_ladder('ladders/quickstart.yaml'); "
+            "import lab.run, lab.listing; assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -1,0 +1,98 @@
+"""The store keeps one copy of everything: a step, a cell, a receipt can only be written once."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from lab.arms.render import plan
+from lab.arms.validate import parse_ladder
+from lab.instruments.base import Cell, Step, StepResult
+from lab.instruments.receipt import Receipt, TokenLogprob
+from lab.store import models as m
+from lab.store import writer
+from lab.store.db import StoreError, open_store, resolve_url
+
+LADDER = """\
+name: s
+engine: {kind: bundled}
+windows:
+  - name: W1
+    arms:
+      - {name: A1, flags: {seed: 1}}
+"""
+
+
+def planned_run(store) -> tuple[int, int, int]:
+    p = plan(parse_ladder(LADDER, "s.yaml"))
+    run_id = writer.create_run(store, name="r", ladder_name="s", ladder_path="s.yaml", ladder_text=LADDER,
+                               sha256="0" * 64, engine_kind="bundled", logs_dir="/tmp", plan=p)
+    with store.session() as s:
+        slot_id = s.scalar(select(m.Slot.id).where(m.Slot.idx == 1))
+    boot_id, attempt = writer.start_boot(store, run_id=run_id, slot_id=slot_id)
+    assert attempt == 1
+    return run_id, slot_id, boot_id
+
+
+def test_a_step_is_stored_whole_and_only_once(store) -> None:
+    _, slot_id, boot_id = planned_run(store)
+    result = StepResult(cells=[Cell("tok_s", 12.5, "tok/s", params={"len": 512}, requests=[1]),
+                               Cell("tok_s", 13.0, "tok/s", params={"len": 512}, repeat=1)],
+                        receipts=[Receipt("a", "/v1/completions", {"prompt": "x"}, 0, status=200, prompt_tokens=512),
+                                  Receipt("b", "/v1/completions", {"prompt": "y"}, 1, t_first_token_ns=5,
+                                          status=200, prompt_tokens=512, token_times_ns=[5, 7],
+                                          logprobs=[TokenLogprob("a", -0.5, {"a": -0.5, "b": -1.5})])])
+    step = Step("len=512", {"len": 512})
+    writer.write_step(store, slot_id=slot_id, boot_id=boot_id, instrument="prefill", step=step, result=result,
+                      error=None, started_at=writer.now())
+    with pytest.raises(IntegrityError):  # a second copy of the step: refused, nothing half-written
+        writer.write_step(store, slot_id=slot_id, boot_id=boot_id, instrument="prefill", step=step, result=result,
+                          error=None, started_at=writer.now())
+    with store.session() as s:
+        cells = s.scalars(select(m.Cell).order_by(m.Cell.repeat)).all()
+        requests = s.scalars(select(m.Request).order_by(m.Request.idx)).all()
+        assert len(cells) == 2 and len(requests) == 2
+        assert cells[0].request_ids == [requests[1].id] and cells[1].request_ids == [r.id for r in requests]
+        assert (requests[1].token_times_ns, requests[1].t_first_ns, requests[1].request_id) == ([5, 7], 5, "b")
+        assert requests[1].logprobs == [{"token": "a", "logprob": -0.5, "top": {"a": -0.5, "b": -1.5}}]
+        assert requests[0].payload == {"prompt": "x"}
+    # a second boot of the same slot (after a resume) cannot store the same step either
+    boot2, attempt = writer.start_boot(store, run_id=1, slot_id=slot_id)
+    assert attempt == 2
+    with pytest.raises(IntegrityError):
+        writer.write_step(store, slot_id=slot_id, boot_id=boot2, instrument="prefill", step=step, result=None,
+                          error="x", started_at=writer.now())
+
+
+def test_duplicate_cells_within_a_step_are_refused_with_the_whole_step(store) -> None:
+    _, slot_id, boot_id = planned_run(store)
+    twice = StepResult(cells=[Cell("tok_s", 1.0, "tok/s"), Cell("tok_s", 2.0, "tok/s")])
+    with pytest.raises(IntegrityError):
+        writer.write_step(store, slot_id=slot_id, boot_id=boot_id, instrument="x", step=Step("k"), result=twice,
+                          error=None, started_at=writer.now())
+    with store.session() as s:
+        assert s.scalars(select(m.Step)).all() == []
+
+
+def test_verdict_for_an_arm_is_replaced_not_duplicated(store) -> None:
+    run_id, _, _ = planned_run(store)
+    writer.write_verdict(store, run_id=run_id, arm="A1", decision="inconclusive", reasons=["no data"], detail={})
+    writer.write_verdict(store, run_id=run_id, arm="A1", decision="keep", reasons=["+3%"], detail={"x": 1})
+    with store.session() as s:
+        assert [(v.decision, v.reasons) for v in s.scalars(select(m.Verdict))] == [("keep", ["+3%"])]
+
+
+def test_db_takes_a_path_or_a_url_and_refuses_another_schema(tmp_path) -> None:
+    assert resolve_url("lab.db").startswith("sqlite:////") and resolve_url("postgresql://h/db") == "postgresql://h/db"
+    url_store = open_store(f"sqlite:///{tmp_path / 'u.db'}")
+    url_store.close()
+    assert (tmp_path / "u.db").exists()
+    with pytest.raises(StoreError, match="no store at"):
+        open_store(str(tmp_path / "missing.db"), create=False)
+    store = open_store(str(tmp_path / "v.db"))
+    with store.session() as s, s.begin():
+        s.get_one(m.Meta, "schema_version").value = "0"
+    store.close()
+    with pytest.raises(StoreError, match="has store schema 0"):
+        open_store(str(tmp_path / "v.db"))
