@@ -1,0 +1,182 @@
+"""Paged decode attention: one query token per sequence, split-KV ("flash-decoding"), GQA heads
+of one KV group processed together.
+
+Stage 1 runs one program per (sequence, KV head, split). The program loads the query rows of all
+GROUP heads that share the KV head (padded to 16 rows so tl.dot can use tensor cores), so each K/V
+tile is read from memory once per group rather than once per query head. Its split is a
+contiguous range of whole tiles of the context; it writes a partial output normalised by its own
+softmax sum, plus its log-sum-exp. Stage 2 merges the splits of one (sequence, head) with weights
+exp(lse_i - max) / sum. With a single split stage 1 writes the final output and stage 2 is skipped.
+
+Decode is bandwidth bound: at batch 1 a sequence has only KVH (8 for Llama-3-8B) programs without
+splitting, far too few for a GPU of 132 SMs, so the split count grows until the grid holds about
+two programs per SM (`choose_num_splits`). Split boundaries are computed in the kernel from each
+sequence's own length, so correctness never depends on the split count: a CUDA graph captured
+with one count replays correctly for any context lengths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lab.engine.attention import FP8_DTYPES
+from lab.engine.kernels.paged_tiles import attend_tiles, dot_in_fp16, dot_precision
+
+# Fewest KV tokens worth a split of their own: below this the merge costs more than it hides.
+MIN_TOKENS_PER_SPLIT = 64
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                         out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, num_splits,
+                         stride_qt, stride_qh, stride_ot, stride_oh,
+                         stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
+                         block_size, head_dim,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         DOT_FP16: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    context_len = tl.load(context_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+
+    rows = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + rows
+    head_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    row_mask = head_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=row_mask, other=0.0)
+    if DOT_FP16:
+        q = q.to(tl.float16)
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    # `rows` stands in for query positions, which only the causal mask reads.
+    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr,
+                                 block_tables_ptr + seq * stride_table, kv_head * stride_cache_head,
+                                 start, end, qk_scale, stride_cache_block, stride_cache_slot, block_size,
+                                 dims, dim_mask, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+    # An empty split (or a padding row with no context) has l_i == 0: it stores zeros and
+    # lse = -inf, which the merge weighs by zero.
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    if DIRECT:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part = (seq * num_heads + heads) * num_splits + split  # [B, H, S] row of this split
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_mask)
+        tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], out, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh, head_dim,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    # All splits empty only for a padding row with no context: keep its output zero, not NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    weights = tl.exp2(lse - m)
+    total = tl.sum(weights, 0)
+    weights = weights / tl.where(total > 0, total, 1.0)
+    parts = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * head_dim + dims[None, :],
+                    mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(weights[:, None] * parts, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """Splits per sequence so that batch * KVH * splits fills, without exceeding, two programs per
+    SM (one wave: a second, partial wave costs as much as the first), without splits shorter than
+    MIN_TOKENS_PER_SPLIT. Batch 1 of Llama-3-8B at 32K on an H200 (132 SMs): 33 splits of ~1K
+    tokens; batch 17 and up: 1 split (the grid already has 136+ programs)."""
+    wanted = 2 * num_sms // (batch * num_kv_heads)
+    useful = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    # The interpreter runs programs one after another: a CPU "device" gains nothing from splits.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _launch_config(device: torch.device, num_splits: int, cache_dtype: torch.dtype) -> dict[str, int]:
+    if device.type != "cuda":
+        # Interpreter (tests): small tiles so short test contexts still span several tiles.
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    # Measured on an H200 with Triton 3.6 (bench_kernels.py --sweep decode), Llama-3-8B shapes.
+    # Triton does not software-pipeline these gathered loads (no async copies in the loop), so
+    # latency is hidden by programs per SM and bytes per tile. Many programs (no split, large
+    # batch): 64-token tiles read at ~100% of copy bandwidth, 128 lose 2-5%. Few programs (split,
+    # small batch) and fp8 tiles (half the bytes): 128-token tiles, 11-18% faster than 64.
+    block_n = 128 if num_splits > 1 or cache_dtype in FP8_DTYPES else 64
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
+                     max_context_len: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                     num_splits: int | None = None, config: dict[str, int] | None = None) -> torch.Tensor:
+    """Attention of one query per sequence (q: [B, H, D]) over `context_lens` KV tokens read
+    through `block_tables` ([B, max_blocks]) from caches [num_blocks, block_size, KVH, D] (model
+    dtype, or fp8 holding x / scale). Returns `out` ([B, H, D], q's dtype; may be a view).
+    `max_context_len` only sizes the split count (defaults to the block table's capacity).
+    `config` overrides the launch configuration (BLOCK_N, num_warps, num_stages), for tuning."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
+    assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if batch == 0:
+        return out
+    block_size = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        if max_context_len is None:
+            max_context_len = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
+    config = config or _launch_config(q.device, num_splits, k_cache.dtype)
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused: stage 1 writes the output itself
+    else:
+        part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * k_scale * math.log2(math.e), float(v_scale), num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        block_size, head_dim,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d,
+        DIRECT=direct, DOT_PRECISION=dot_precision(q.dtype), DOT_FP16=dot_in_fp16(q.dtype, k_cache.dtype),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1), head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
