@@ -6,6 +6,7 @@ Handlers import what they need when they run, so `lab --help` stays fast and nev
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from typing import Callable
@@ -166,10 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         _error(f"interrupted; finish it with `lab run --resume {exc.args[0]}`" if exc.args else "interrupted")
         return 130
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
     return 1
 
 
+@functools.cache
 def _console(stdout: bool = False):  # -> rich.console.Console
+    """One console per stream, so log lines and progress bars share it and do not garble each other."""
     from rich.console import Console
 
     return Console(stderr=not stdout)

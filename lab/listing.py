@@ -73,6 +73,6 @@ def print_plan(console: Console, plan: Plan) -> None:
     arms = {a.name: a for a in plan.arms}
     for slot in plan.slots:
         arm = arms[slot.arm]
-        table.add_row(str(slot.idx), slot.window or "-", slot.arm, slot.role, slot.position, escape(_change(arm.change)),
-                      arm.config_hash)
+        table.add_row(str(slot.idx), slot.window or "-", slot.arm, slot.role, slot.position,
+                      escape(_change(arm.change)), arm.config_hash)
     console.print(table)

@@ -155,6 +155,7 @@ def _stop_on_sigterm() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the engine's stop short
         raise Interrupted()
 
     previous = signal.signal(signal.SIGTERM, handler)

@@ -68,7 +68,7 @@ def run_slot(rc: RunContext, slot: m.Slot) -> str:
     env, removed = engine_boot.child_env(spec.env)
     boot_id, attempt = writer.start_boot(
         rc.store, run_id=rc.run_id, slot_id=slot.id, port=port, argv=spec.argv, env=spec.env, env_removed=removed,
-        base_url=spec.api_base, expected_config_hash=spec.expected_config_hash, mem_available_start=gate.mem_available,
+        api_base=spec.api_base, expected_config_hash=spec.expected_config_hash, mem_available_start=gate.mem_available,
         fingerprint=rc.fingerprint)
     if not gate.ok:
         return _fail(rc, slot, boot_id, "failed", gate.reason, None)
@@ -78,7 +78,11 @@ def run_slot(rc: RunContext, slot: m.Slot) -> str:
     sampler = MemSampler().start()
     rc.status(f"{label}: starting")
     try:
-        proc.start()
+        try:
+            proc.start()
+        except OSError as exc:  # the engine's executable is missing or not runnable
+            return _fail(rc, slot, boot_id, "failed", f"cannot start {spec.argv[0]}: {exc.strerror or exc}", None,
+                         sampler)
         writer.update_boot(rc.store, boot_id, pid=proc.pid, pid_started=proc.create_time(), log_path=str(path))
         ready = proc.wait_ready(spec.api_base, spec.model, spec.api_key, engine.ready_timeout_s,
                                 on_poll=lambda t, last: rc.status(f"{label}: waiting for a completion ({t:.0f} s)"))
@@ -122,7 +126,8 @@ def _check(rc: RunContext, proc: engine_boot.EngineProcess,
             return f"cannot check what booted: /v1/stats answered {status or 'nothing'}", None, not warmed_before
         booted = stats.get("config_hash")
         if booted != spec.expected_config_hash:
-            return f"booted config hash {booted} != expected {spec.expected_config_hash}", stats, bool(stats.get("cold"))
+            refusal = f"booted config hash {booted} != expected {spec.expected_config_hash}"
+            return refusal, stats, bool(stats.get("cold"))
         cold = stats["cold"] if isinstance(stats.get("cold"), bool) else not warmed_before
         return None, stats, cold
     # No hash to compare for other engines: the stored argv and env are the receipt. Their JIT caches

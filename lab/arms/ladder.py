@@ -27,11 +27,16 @@ class BundledEngine(Strict):
     """The engine in `lab/engine/`, started as `python -m lab.engine serve`."""
 
     kind: Literal["bundled"]
-    model: str = Field("smollm2-135m", description="smollm2-135m, a .gguf path, a Hugging Face directory, or dummy:<preset>")
-    flags: dict[str, Scalar] = Field(default_factory=dict, description="engine knobs as flags: {max-num-batched-tokens: 2048}")
-    env: dict[str, Scalar] = Field(default_factory=dict, description="environment: LAB_ENGINE_<KNOB> or any other variable")
-    ready_timeout_s: float = Field(300.0, gt=0, description="seconds from start until a real completion must be answered")
-    stop_grace_s: float = Field(10.0, ge=0, description="seconds between SIGTERM and SIGKILL to the engine's process group")
+    model: str = Field("smollm2-135m",
+                       description="smollm2-135m, a .gguf path, a Hugging Face directory, or dummy:<preset>")
+    flags: dict[str, Scalar] = Field(default_factory=dict,
+                                     description="engine knobs as flags: {max-num-batched-tokens: 2048}")
+    env: dict[str, Scalar] = Field(default_factory=dict,
+                                   description="environment: LAB_ENGINE_<KNOB> or any other variable")
+    ready_timeout_s: float = Field(300.0, gt=0,
+                                   description="seconds from start until a real completion must be answered")
+    stop_grace_s: float = Field(10.0, ge=0,
+                                description="seconds between SIGTERM and SIGKILL to the engine's process group")
 
 
 class CommandEngine(Strict):
@@ -39,14 +44,17 @@ class CommandEngine(Strict):
 
     kind: Literal["command"]
     command: list[str] = Field(min_length=1, description="argv with {port} and {model} placeholders")
-    model: str = Field(description="substituted for {model}; also the model name in requests unless served_model_name")
-    served_model_name: str | None = Field(None, description="the `model` field requests must carry, when not `model`")
-    flags: dict[str, CommandValue] = Field(default_factory=dict, description="rendered after the command with flag_style")
-    flag_style: str = Field("--{name} {value}", description="how one flag renders; a space splits it into two arguments")
+    model: str = Field(description="substituted for {model}; the model name in requests unless served_model_name")
+    served_model_name: str | None = Field(None, description="the `model` field requests carry, when not `model`")
+    flags: dict[str, CommandValue] = Field(default_factory=dict,
+                                           description="rendered after the command with flag_style")
+    flag_style: str = Field("--{name} {value}",
+                            description="how one flag renders; a space splits it into two arguments")
     bool_style: Literal["value", "switch", "negatable"] = Field(
         "value", description="value: --x true|false; switch: --x or nothing; negatable: --x or --no-x")
     env: dict[str, Scalar] = Field(default_factory=dict)
-    base_url: str = Field("http://127.0.0.1:{port}/v1", description="the OpenAI root once started; {port} is substituted")
+    base_url: str = Field("http://127.0.0.1:{port}/v1",
+                          description="the OpenAI root once started; {port} is substituted")
     api_key: str | None = None
     ready_timeout_s: float = Field(900.0, gt=0)
     stop_grace_s: float = Field(30.0, ge=0)
@@ -65,7 +73,8 @@ class Arm(Strict):
 
 class Window(Strict):
     name: Name
-    control: Name | None = Field(None, description="name of the control boots that open and close it; default <window>ctl")
+    control: Name | None = Field(None,
+                                 description="name of the control boots that open and close it; default <window>ctl")
     arms: list[Arm] = Field(default_factory=list)
 
     @property

@@ -137,8 +137,10 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
                 continue
             cfg = _arm_config(ladder, arm, where, located, problems)
             # Variables outside the engine's knobs (PYTORCH_CUDA_ALLOC_CONF) change the process, not its config.
-            if cfg == base and render.merged(ladder, arm)[1] == render.merged(ladder, None)[1] and (arm.flags or arm.env):
-                hint = " (flags override LAB_ENGINE_* variables)" if arm.env and isinstance(engine, BundledEngine) else ""
+            same_env = render.merged(ladder, arm)[1] == render.merged(ladder, None)[1]
+            if cfg == base and same_env and (arm.flags or arm.env):
+                bundled_env = arm.env and isinstance(engine, BundledEngine)
+                hint = " (flags override LAB_ENGINE_* variables)" if bundled_env else ""
                 problems.append(Problem(located.line(where), f"arm {arm.name} boots the same config as its control; "
                                                              f"it changes nothing{hint}"))
     problems += _keep(ladder, located)
@@ -152,7 +154,8 @@ def _names(ladder: Ladder, located: Located) -> list[Problem]:
     for w, window in enumerate(ladder.windows):
         line = located.line(("windows", w, "name"))
         if window.name in windows:
-            problems.append(Problem(line, f"duplicate window name {window.name!r} (also at line {windows[window.name]})"))
+            problems.append(Problem(line, f"duplicate window name {window.name!r} "
+                                          f"(also at line {windows[window.name]})"))
         windows.setdefault(window.name, line)
         control_line = located.line(("windows", w, "control")) if window.control else line
         named = [(window.control_name, control_line)]

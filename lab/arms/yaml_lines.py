@@ -38,16 +38,6 @@ class Located:
             line = (key_node or node).start_mark.line + 1
         return line
 
-    def value_line(self, path: Sequence[Any]) -> int:
-        """Line of the value at `path` itself (for a value on its own line under its key)."""
-        node = self.root
-        for part in path:
-            found = _child(node, part) if node is not None else None
-            if found is None:
-                return self.line(path)
-            node = found[1]
-        return node.start_mark.line + 1 if node is not None else 0
-
 
 def _child(node: yaml.Node, part: Any) -> tuple[yaml.Node | None, yaml.Node] | None:
     if isinstance(node, yaml.MappingNode):

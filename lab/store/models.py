@@ -97,7 +97,7 @@ class Boot(Base):
     argv: Mapped[list[Any]] = mapped_column(default=list)
     env: Mapped[dict[str, Any]] = mapped_column(default=dict)  # exactly what the lab set for the child
     env_removed: Mapped[list[Any]] = mapped_column(default=list)  # inherited LAB_ENGINE_* names taken out
-    base_url: Mapped[str | None] = mapped_column(Text)
+    api_base: Mapped[str | None] = mapped_column(Text)  # the OpenAI root the instruments talked to
     log_path: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime]
     ready_at: Mapped[datetime | None]

@@ -58,8 +58,8 @@ def test_engine_that_exits_at_once_is_a_failed_boot_and_the_next_arm_runs(tmp_pa
 
 def test_never_ready_engine_times_out_and_its_whole_group_is_gone(tmp_path, lab, store) -> None:
     child_file = tmp_path / "child.pid"
-    path = ladder_with(tmp_path, f"{{name: A1, flags: {{never-ready: true, child-pid-file: {child_file}}}, multi: true}}",
-                       ready_timeout_s=3, bool_style="switch")
+    arm = f"{{name: A1, multi: true, flags: {{never-ready: true, child-pid-file: {child_file}}}}}"
+    path = ladder_with(tmp_path, arm, ready_timeout_s=3, bool_style="switch")
     assert lab("run", str(path)) == 0
     slot, boot = boots(store)[1]
     assert boot.status == "failed"
@@ -132,3 +132,12 @@ def test_lab_ls_lists_runs_then_one_runs_arms_and_boots(tmp_path, lab, capsys) -
     assert lab("run", str(path), "--name", "first") == 1  # names are unique
     assert "a run named 'first' exists" in capsys.readouterr().err
     assert os.path.exists(tmp_path / "lab.db")
+
+
+def test_engine_command_that_cannot_start_is_a_failed_boot(tmp_path, lab, store, capsys) -> None:
+    path = ladder_with(tmp_path, "{name: A1, flags: {seqs: 2}}")
+    path.write_text(path.read_text().replace("command: [", "command: [no-such-engine-binary, "))
+    assert lab("run", str(path)) == 1
+    reasons = {b.reason for _, b in boots(store)}
+    assert reasons == {"cannot start no-such-engine-binary: No such file or directory"}
+    assert "no boot of run" in capsys.readouterr().err

@@ -125,10 +125,10 @@ def test_error_names_the_file_and_every_problem_on_its_own_line(tmp_path: Path) 
     ]
 
 
-def test_multi_arm_is_accepted_and_env_only_counts_once() -> None:
-    ladder = parse_ladder(variant(ARM, "      - {name: A1, multi: true, flags: {max-num-seqs: 4, seed: 2}}\n"
-                                       "      - {name: A2, env: {PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:True'}}"),
-                          "ok.yaml")
+def test_multi_arm_and_an_arm_changing_only_the_process_environment_are_accepted() -> None:
+    text = variant(ARM, "      - {name: A1, multi: true, flags: {max-num-seqs: 4, seed: 2}}\n"
+                        "      - {name: A2, env: {PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:True'}}")
+    ladder = parse_ladder(text, "ok.yaml")
     assert [a.name for a in ladder.windows[0].arms] == ["A1", "A2"]
 
 
