@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import platform
 import socket
 import struct
 import sys
@@ -25,7 +26,7 @@ import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import httpcore
 import httpx
@@ -35,10 +36,11 @@ from lab.instruments.receipt import Receipt, TokenLogprob
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
-# Linux's SO_TIMESTAMPNS (SO_TIMESTAMPNS_OLD, 64-bit time on 64-bit hosts); the socket module does
-# not export it.
+# Linux's SO_TIMESTAMPNS (SO_TIMESTAMPNS_OLD: a timespec of two C longs), which the socket module
+# does not export. Its number is the generic one, used by these architectures.
 _SO_TIMESTAMPNS = 35
-_TIMESPEC = struct.Struct("@qq")
+_GENERIC_SOCKET_ABI = {"x86_64", "aarch64", "arm64"}
+_TIMESPEC = struct.Struct("@ll")
 _ANCILLARY_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
 _READ_BYTES = 64 * 1024
 # Past this many unread bytes a connection stops reading until its task catches up.
@@ -220,7 +222,7 @@ async def _connect(addresses: list[tuple[Any, ...]], timeout: float | None,
 
 
 def _ask_kernel_stamps(sock: socket.socket) -> bool:
-    if sys.platform != "linux":
+    if sys.platform != "linux" or platform.machine() not in _GENERIC_SOCKET_ABI:
         return False
     try:
         sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
@@ -509,6 +511,8 @@ class StreamingClient:
         if not 1 <= concurrency <= self.max_connections:
             raise ValueError(f"concurrency {concurrency} outside 1..{self.max_connections} "
                              "(max_connections)")
+        for payload in payloads:
+            _endpoint(payload)  # a malformed batch is refused before anything is sent
         if offsets_s is not None:
             if len(offsets_s) != len(payloads):
                 raise ValueError("offsets_s needs one offset per payload")
@@ -533,7 +537,7 @@ class StreamingClient:
         async with asyncio.TaskGroup() as group:
             for _ in range(min(concurrency, len(payloads))):
                 group.create_task(worker())
-        return [r for r in receipts if r is not None]
+        return cast(list[Receipt], receipts)
 
     @staticmethod
     async def _read_error(response: httpx.Response, receipt: Receipt) -> None:

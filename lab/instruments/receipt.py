@@ -22,14 +22,17 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Receipt:
-    request_id: str
+    """One request. Arrival times (token chunks, first and last token, done) are when the bytes
+    reached this host, not when the client's code got to them (lab/instruments/client.py)."""
+
+    request_id: str  # also sent as the X-Request-Id header, so server logs can be matched
     endpoint: str  # "/v1/chat/completions" or "/v1/completions"
     payload: dict[str, Any]  # exactly the body that was sent
     t_queued_ns: int  # handed to the client (before any wait for a concurrency slot)
     t_sent_ns: int | None = None  # just before the request's first byte was written
     t_first_token_ns: int | None = None  # first chunk carrying generated text or a token
     t_last_token_ns: int | None = None
-    t_done_ns: int | None = None  # response finished, failed or timed out
+    t_done_ns: int | None = None  # the response's last bytes arrived, or it failed
     # Arrival of every chunk that carried generated tokens; for a stream only.
     token_times_ns: list[int] = field(default_factory=list)
     # Tokens carried by each of those chunks, when the server put a running `usage` on every

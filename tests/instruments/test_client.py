@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from fake_sse_server import FakeServer, arrival_offsets_ns
 
+from lab.instruments import client as client_module
 from lab.instruments.client import StreamingClient
 from lab.instruments.receipt import Receipt, TokenLogprob
 
@@ -57,6 +58,7 @@ def test_timing_matches_the_servers_writes_at_64_streams(server: FakeServer) -> 
     the next token chunk, after it stopped reading for longer than their gap) are exempt from the
     1 ms bound, must never be early, and must stay rare: gaps here are 20-50 ms, so only an OS
     stall of the client that long produces one."""
+    server.reset()
     payloads = []
     for i in range(64):
         gaps = [20, 35, 25, 50]
@@ -228,6 +230,16 @@ def test_completions_non_streaming_and_logprobs(server: FakeServer) -> None:
     assert "stream_options" not in whole_chat.payload
     assert chat_lp.logprobs == [TokenLogprob("t0 ", -0.25, {"t0 #0": -0.25}),
                                 TokenLogprob("t1 ", -0.5, {"t1 #0": -0.5})]
+
+
+def test_a_response_larger_than_the_read_ahead_arrives_whole(
+        server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A connection stops reading past this many unread bytes and resumes as they are consumed.
+    monkeypatch.setattr(client_module, "_MAX_BUFFERED", 4096)
+    whole, streamed = run_all(server.url, [{**chat(20000, itl_ms=0), "stream": False},
+                                           chat(3000, itl_ms=0)], 2)
+    assert whole.error is None and whole.text == text_of(20000)
+    assert streamed.error is None and streamed.text == text_of(3000)
 
 
 def test_connections_are_kept_alive_across_requests(server: FakeServer) -> None:
