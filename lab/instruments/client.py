@@ -10,7 +10,8 @@ stamp, the read itself happens in the event loop's I/O callback and is stamped t
 queued task runs. Either way `Receipt.read_lag_max_ns` records how far behind the client's code
 fell, which is the test that the client was not the bottleneck. A read returns everything queued
 on the socket, so chunks of one stream that pile up while the client is late share the stamp of
-the latest. Only plain http:// is spoken: the lab measures engines it boots.
+the latest (`Receipt.coalesced_chunks` counts them). Only plain http:// is spoken: the lab
+measures engines it boots.
 """
 
 from __future__ import annotations
@@ -336,6 +337,8 @@ class _StreamParser:
         try:
             obj = json.loads(data)
         except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
             self.receipt.error = f"malformed stream chunk: {data[:200]!r}"
             return
         if "error" in obj or obj.get("object") == "error":
