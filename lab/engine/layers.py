@@ -57,10 +57,22 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout.
     q: [T, H, D], k: [T, KVH, D], positions: [T]. Returns new tensors in q's dtype."""
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+    return apply_rope_rows(q, k, cos_sin_cache.index_select(0, positions))
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    return rotate(q), rotate(k)
+def apply_rope_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` with the cos|sin rows of each token already gathered ([T, D]): a forward pass
+    gathers them once and reuses them in every layer."""
+    cos, sin = rows.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    # Written into halves of one buffer: no concatenation and no temporaries per half.
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+    return out.to(x.dtype)

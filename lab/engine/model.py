@@ -2,7 +2,11 @@
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into one) so a layer runs
 four matrix products; norms, RoPE and attention come from pluggable implementations so the same
-model runs the PyTorch path on the CPU and Triton kernels on CUDA."""
+model runs the PyTorch path on the CPU and Triton kernels on CUDA.
+
+On the CPU the matrices are stored transposed ([in, out], contiguous) and applied as `x @ w`:
+for the one-row products of decoding this layout runs about 25 % faster than `F.linear` on the
+[out, in] layout (measured with torch 2.13 on a 2-core AVX2 host), and prefill is unaffected."""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ class LayerWeights:
 class Ops:
     """The elementwise implementations a model uses; `layers` is the reference."""
     rms_norm: Callable = layers.rms_norm
-    apply_rope: Callable = layers.apply_rope
+    apply_rope_rows: Callable = layers.apply_rope_rows
 
 
 class Model:
@@ -44,7 +48,7 @@ class Model:
         self.ops = ops or Ops()
         w = weights
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = w.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
+        self.transposed = self.embed.device.type == "cpu"
         self.norm = w["model.norm.weight"]
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -54,12 +58,12 @@ class Model:
                 bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=w[p + "input_layernorm.weight"],
-                qkv=torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                qkv=self._matrix(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
                 qkv_bias=bias,
-                o=w[p + "self_attn.o_proj.weight"],
+                o=self._matrix(w.pop(p + "self_attn.o_proj.weight")),
                 post_norm=w[p + "post_attention_layernorm.weight"],
-                gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                down=w[p + "mlp.down_proj.weight"],
+                gate_up=self._matrix(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+                down=self._matrix(w.pop(p + "mlp.down_proj.weight")),
             ))
             # Drop the unfused copies as we go so peak memory stays near one model.
             for n in ("q", "k", "v"):
@@ -67,12 +71,23 @@ class Model:
                 w.pop(p + f"self_attn.{n}_proj.bias", None)
             w.pop(p + "mlp.gate_proj.weight", None)
             w.pop(p + "mlp.up_proj.weight", None)
+        head = self.embed if config.tie_word_embeddings else w.pop("lm_head.weight")
+        # Tied on the CPU: a transposed copy of the table (the lookup still needs the original).
+        self.lm_head = self._matrix(head)
         device = self.embed.device
         self.cos_sin = layers.rope_cos_sin_cache(config.head_dim, max_positions, config.rope_theta,
                                                  config.rope_scaling, device=device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
+
+    def _matrix(self, w: torch.Tensor) -> torch.Tensor:
+        return w.t().contiguous() if self.transposed else w
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, w, bias)
+        return torch.addmm(bias, x, w) if bias is not None else x @ w
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,21 +103,22 @@ class Model:
         cfg = self.config
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
+        rope_rows = self.cos_sin.index_select(0, positions)  # shared by every layer
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             h, residual = self.ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = self.linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.ops.apply_rope(q.view(t, cfg.num_heads, cfg.head_dim),
-                                       k.view(t, cfg.num_kv_heads, cfg.head_dim), positions, self.cos_sin)
+            q, k = self.ops.apply_rope_rows(q.view(t, cfg.num_heads, cfg.head_dim),
+                                            k.view(t, cfg.num_kv_heads, cfg.head_dim), rope_rows)
             attn = self.attention.forward(q, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache,
                                           meta, self.scale)
-            hidden = F.linear(attn.view(t, self.q_size), layer.o)
+            hidden = self.linear(attn.view(t, self.q_size), layer.o)
             h, residual = self.ops.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
-            hidden = F.linear(layers.silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+            hidden = self.linear(layers.silu_and_mul(self.linear(h, layer.gate_up)), layer.down)
         hidden, _ = self.ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits, whatever the model dtype, so sampling and logprobs are stable."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()

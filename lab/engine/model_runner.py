@@ -52,7 +52,11 @@ def make_backends(config: EngineConfig, device: torch.device) -> tuple[Attention
     from lab.engine.kernels import rmsnorm, rope
     from lab.engine.triton_attention import TritonAttention
 
-    return TritonAttention(), Ops(rms_norm=rmsnorm.rms_norm, apply_rope=rope.apply_rope)
+    def rope_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The rows are already gathered per token, so token t reads row t.
+        return rope.apply_rope(q, k, torch.arange(q.shape[0], device=q.device), rows)
+
+    return TritonAttention(), Ops(rms_norm=rmsnorm.rms_norm, apply_rope_rows=rope_rows)
 
 
 @dataclass
