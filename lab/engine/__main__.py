@@ -41,7 +41,7 @@ def _bench(ns: argparse.Namespace) -> int:
         prefill_lengths=[int(x) for x in ns.prefill_lengths.split(",") if x],
         decode_tokens=ns.decode_tokens, concurrency=ns.concurrency, prompt_tokens=ns.prompt_tokens,
         reference=ns.reference, repeats=ns.repeats, throughput=[int(x) for x in ns.throughput.split(",") if x],
-        throughput_tokens=ns.throughput_tokens, json_out=ns.json)
+        throughput_tokens=ns.throughput_tokens, reference_prefill_max=ns.reference_prefill_max, json_out=ns.json)
     return run_bench(cfg, opts)
 
 
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(e.g. 64,256)")
     bench.add_argument("--throughput-tokens", type=int, default=1024,
                        help="prompt and output tokens per throughput request")
+    bench.add_argument("--reference-prefill-max", type=int, default=32768,
+                       help="longest prompt given to transformers (eager attention's score matrix grows "
+                            "with the square of the length)")
     bench.add_argument("--json", default=None, help="also write the figures to this JSON file")
     bench.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     knobs.add_arguments(bench)

@@ -26,6 +26,11 @@ class AttentionBackend(Protocol):
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     kvh, d = k_cache.shape[-2:]
+    if k_cache.dtype in FP8_DTYPES:
+        # index_copy_ has no float8 kernel on the CPU; indexed assignment does.
+        k_cache.view(-1, kvh, d)[slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, kvh, d)[slot_mapping] = v.to(v_cache.dtype)
+        return
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

@@ -12,6 +12,7 @@ from lab.engine import sampler
 from lab.engine.attention import AttentionBackend, TorchAttention
 from lab.engine.attention_metadata import AttentionMetadata, build_metadata
 from lab.engine.config import ConfigError, EngineConfig
+from lab.engine.cuda_graphs import DecodeGraphs
 from lab.engine.loader import LoadedModel
 from lab.engine.model import Model, Ops
 from lab.engine.scheduler import ScheduledSeq
@@ -53,8 +54,9 @@ def make_backends(config: EngineConfig, device: torch.device) -> tuple[Attention
     from lab.engine.triton_attention import TritonAttention
 
     def rope_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # The rows are already gathered per token, so token t reads row t.
-        return rope.apply_rope(q, k, torch.arange(q.shape[0], device=q.device), rows)
+        # The rows are already gathered per token, so token t reads row t. In place: q and k are
+        # views of this layer's qkv product, which nothing else reads.
+        return rope.apply_rope(q, k, torch.arange(q.shape[0], device=q.device), rows, inplace=True)
 
     return TritonAttention(), Ops(rms_norm=rmsnorm.rms_norm, apply_rope_rows=rope_rows)
 
@@ -79,13 +81,20 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config, dtype)
         self.num_blocks = self._num_blocks()
         mc = loaded.config
-        # Zeroed, not empty: padded positions of a gathered context are masked, but 0 * NaN from
-        # uninitialised memory would still poison the weighted sum.
-        self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads,
+        # One block past the pool is the null block: padding rows of a CUDA-graph batch write and
+        # read there. Zeroed, not empty: padded positions of a gathered context are masked, but
+        # 0 * NaN from uninitialised memory would still poison the weighted sum.
+        self.null_block = self.num_blocks
+        self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_blocks + 1, self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.kv_dtype, device=device)
         self.kv_layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
+        torch.manual_seed(config.seed)
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and config.cuda_graphs and self.attention.name == "triton":
+            max_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.kv_layers, self.null_block, self.block_size,
+                                       max_model_len, max_batch)
+            self.graphs.capture()
 
     @property
     def bytes_per_block(self) -> int:
@@ -104,10 +113,16 @@ class ModelRunner:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            # Leave room for activations of the largest step and for CUDA graphs.
-            scratch = 4 * cfg.max_num_batched_tokens * self.model_config.intermediate_size * 2 * 4 + (1 << 30)
-            budget = int(total * cfg.gpu_memory_utilization) - used - scratch
+            used = total - free  # weights, CUDA context, anything else on the device
+            mc = self.model_config
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            # Activations of the largest step (the gate|up product dominates, plus its SiLU
+            # output and the attention temporaries), the LM head's logits for every decode
+            # row, and slack for graphs and the allocator.
+            tokens = cfg.max_num_batched_tokens
+            activations = tokens * (3 * mc.intermediate_size + 6 * mc.hidden_size) * elem
+            logits = max(cfg.max_num_seqs, 1) * mc.vocab_size * (elem + 4)
+            budget = int(total * cfg.gpu_memory_utilization) - used - activations - logits - (2 << 30)
         else:
             budget = CPU_DEFAULT_KV_BYTES
         blocks = budget // self.bytes_per_block
@@ -144,6 +159,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        graphs = self.graphs
+        if graphs is not None and len(scheduled) <= graphs.max_batch and all(s.num_tokens == 1 for s in scheduled):
+            seqs = [s.seq for s in scheduled]
+            logits = graphs.run([q.token_ids[-1] for q in seqs], [q.num_tokens - 1 for q in seqs],
+                                [q.block_table for q in seqs])
+            return self._postprocess(scheduled, logits)
         ids, pos, meta, logit_rows = self.prepare(scheduled)
         hidden = self.model.forward(ids, pos, meta, self.kv_layers)
         logits = self.model.logits(hidden[logit_rows]) if logit_rows else None

@@ -28,9 +28,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """One next token per row of `logits` ([N, V] float32). Greedy rows never draw randomness,
     so a request's output does not depend on what else is in the batch."""
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = logits.argmax(dim=-1)
-    if bool(greedy.all()):
+    if all(p.greedy for p in params):  # decided on the host: no device sync
         return tokens
     for i, p in enumerate(params):
         if p.greedy:

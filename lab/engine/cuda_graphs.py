@@ -1,0 +1,129 @@
+"""Decode steps replayed as CUDA graphs.
+
+A decode step of a small model is hundreds of short kernels; launched one by one from Python,
+the launches, not the GPU, set the pace. Each batch size in `capture_sizes` is captured once
+(forward pass and LM head) over static input buffers; a step copies its inputs into the buffers
+of the smallest captured size that holds it and replays. Rows past the real batch are padding:
+they write their K/V into the null block (one block past the pool, never handed out) and attend
+to that one slot, so no kernel needs a special case for them."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from lab.engine.attention_metadata import AttentionMetadata
+from lab.engine.model import Model
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
+    return sorted({s for s in sizes if s <= max_batch} | {max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, model: Model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], null_block: int,
+                 block_size: int, max_model_len: int, max_batch: int) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.block_size = block_size
+        self.null_block = null_block
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        device = model.device
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((n, self.max_blocks), null_block, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # Pinned staging rows, one host-to-device copy per buffer per step. A step reuses them
+        # only after the previous step's sampling has synchronised with the device.
+        pin = device.type == "cuda"
+        self.host_rows = torch.zeros((3, n), dtype=torch.long, pin_memory=pin)
+        self.host_context = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, pin_memory=pin)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        # Host-side lengths only size the attention split count: take the longest possible
+        # context so one graph serves every length.
+        return AttentionMetadata(
+            num_decodes=bs, slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+            context_lens=self.context_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            max_query_len=1, max_context_len=self.max_model_len, query_lens_cpu=[1] * bs,
+            context_lens_cpu=[self.max_model_len] * bs)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        hidden = self.model.forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers)
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        null_slot = self.null_block * self.block_size
+        self.slot_mapping.fill_(null_slot)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+                for _ in range(2):  # compile and autotune outside the capture
+                    self._forward(bs)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.logits[bs] = self._forward(bs)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def batch_size_for(self, n: int) -> int | None:
+        for bs in self.sizes:
+            if bs >= n:
+                return bs
+        return None
+
+    @torch.inference_mode()
+    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Logits [n, vocab] of one decode step of n sequences (each one new token at `positions`)."""
+        n = len(input_ids)
+        bs = self.batch_size_for(n)
+        assert bs is not None, f"decode batch {n} exceeds the largest captured graph {self.max_batch}"
+        bsz = self.block_size
+        rows = self.host_rows.numpy()
+        rows[0, :n] = input_ids
+        pos = np.asarray(positions, dtype=np.int64)
+        rows[1, :n] = pos
+        tables = self.host_tables.numpy()
+        width = 1
+        slots = np.empty(n, dtype=np.int64)
+        for i, table in enumerate(block_tables):
+            tables[i, :len(table)] = table
+            width = max(width, len(table))
+            slots[i] = table[pos[i] // bsz] * bsz + pos[i] % bsz
+        rows[2, :n] = slots
+        context = self.host_context.numpy()
+        context[:n] = pos + 1
+        # Padding rows: null block, one token of context.
+        rows[0, n:bs] = 0
+        rows[1, n:bs] = 0
+        rows[2, n:bs] = self.null_block * bsz
+        context[n:bs] = 1
+        tables[n:bs, 0] = self.null_block
+        self.input_ids[:bs].copy_(self.host_rows[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(self.host_rows[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(self.host_rows[2, :bs], non_blocking=True)
+        self.context_lens[:bs].copy_(self.host_context[:bs], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(self.host_tables[:bs, :width], non_blocking=True)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]

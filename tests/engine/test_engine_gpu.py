@@ -1,0 +1,99 @@
+"""The engine on a CUDA device: Triton kernels, CUDA-graph decode and the fp8 KV cache, each
+against the PyTorch path or transformers on the same (dummy) weights. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab.engine.hf_reference import build_hf_model
+from lab.engine.llm import LLM
+from lab.engine.loader import load_model
+from lab.engine.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+MODEL = "dummy:smollm2-135m"
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 300, (n,), generator=gen).tolist()
+    return [torch.randint(3, 250, (length,), generator=gen).tolist() for length in lengths]
+
+
+def top_logprobs(llm: LLM, ps: list[list[int]],
+                 tokens: int) -> tuple[list[list[dict[int, float]]], list[list[int]]]:
+    outs = llm.generate(ps, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=5))
+    return [[dict(lp.top) for lp in c.logprobs] for c in outs], [c.token_ids for c in outs]
+
+
+def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
+    shared = set(a) & set(b)
+    assert len(shared) >= 4, (a, b)
+    return max(abs(a[t] - b[t]) for t in shared)
+
+
+def test_prompt_logits_match_transformers_fp32() -> None:
+    llm = LLM(MODEL, dtype="float32", device="cuda", cuda_graphs=False)
+    mc = llm.engine.model_config
+    hf = build_hf_model(mc, load_model(MODEL, torch.float32, "cuda").weights, torch.float32,
+                        torch.device("cuda"), "sdpa")
+    for ids in prompts(4):
+        ours = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0].float(), -1)
+        got = torch.tensor([lp.logprob for lp in ours.prompt_logprobs[1:]])
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].cpu()
+        assert (got - want).abs().max() < 1e-3
+
+
+def test_cuda_graph_decode_matches_eager() -> None:
+    ps = prompts(6, seed=1)  # six rows replay in the size-8 graph: two padding rows
+    eager = LLM(MODEL, dtype="bfloat16", device="cuda", cuda_graphs=False)
+    want_lp, want_ids = top_logprobs(eager, ps, 8)
+    del eager
+    graphed = LLM(MODEL, dtype="bfloat16", device="cuda", cuda_graphs=True, cuda_graph_max_batch_size=16)
+    assert graphed.engine.runner.graphs is not None
+    got_lp, got_ids = top_logprobs(graphed, ps, 8)
+    for a_seq, b_seq, a_ids, b_ids in zip(want_lp, got_lp, want_ids, got_ids):
+        # Step 0 comes from prefill (no graph); compare the decode steps up to the first token
+        # that differs (bf16 ties can diverge legitimately).
+        for i, (a, b) in enumerate(zip(a_seq, b_seq)):
+            assert max_diff(a, b) < 0.05, (i, a, b)
+            if a_ids[i] != b_ids[i]:
+                break
+
+
+def test_triton_backend_matches_torch_backend_bf16() -> None:
+    ps = prompts(5, seed=2)
+    torch_path = LLM(MODEL, dtype="bfloat16", device="cuda", attention_backend="torch", cuda_graphs=False)
+    want_lp, want_ids = top_logprobs(torch_path, ps, 6)
+    del torch_path
+    triton_path = LLM(MODEL, dtype="bfloat16", device="cuda", attention_backend="triton", cuda_graphs=True)
+    got_lp, got_ids = top_logprobs(triton_path, ps, 6)
+    for a_seq, b_seq, a_ids, b_ids in zip(want_lp, got_lp, want_ids, got_ids):
+        for i, (a, b) in enumerate(zip(a_seq, b_seq)):
+            assert max_diff(a, b) < 0.05, (i, a, b)
+            if a_ids[i] != b_ids[i]:
+                break
+
+
+def test_fp8_kv_cache_stays_close() -> None:
+    ps = prompts(4, seed=3)
+    bf16 = LLM(MODEL, dtype="bfloat16", device="cuda")
+    want_lp, _ = top_logprobs(bf16, ps, 4)
+    del bf16
+    fp8 = LLM(MODEL, dtype="bfloat16", device="cuda", kv_cache_dtype="fp8")
+    assert fp8.engine.runner.kv_dtype == torch.float8_e4m3fn
+    got_lp, _ = top_logprobs(fp8, ps, 4)
+    for a_seq, b_seq in zip(want_lp, got_lp):
+        assert max_diff(a_seq[0], b_seq[0]) < 0.1
+
+
+def test_long_prefill_through_chunks_on_paged_kv() -> None:
+    """A prompt longer than the step budget is prefilled in chunks over its own cached prefix."""
+    llm = LLM("dummy:llama3-8b", dtype="bfloat16", device="cuda", max_model_len=40000,
+              max_num_batched_tokens=8192, max_num_seqs=8, cuda_graph_max_batch_size=8)
+    ids = torch.randint(3, 250, (20000,), generator=torch.Generator().manual_seed(4)).tolist()
+    out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 2 and llm.engine.counters.steps >= 4
