@@ -5,7 +5,9 @@
 #   usage (device command, carry .whl): bash benchmarks/h200.sh COMMIT
 set -u
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -13,15 +15,15 @@ mkdir -p "$OUT"
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } > "$OUT/env.txt" 2>&1
 big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-batched-tokens 8192
      --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --throughput-tokens 1024)
-timeout 330 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 --concurrency 32 \
+timeout 300 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 --concurrency 32 \
     --repeats 2 --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" > "$OUT/llama3_8b_bf16.txt" 2>&1
 echo "llama3-8b bf16 exit $?" >> "$OUT/env.txt"
-timeout 90 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" --concurrency 32 \
+timeout 80 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" --concurrency 32 \
     --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" > "$OUT/llama3_8b_fp8.txt" 2>&1
 echo "llama3-8b fp8 exit $?" >> "$OUT/env.txt"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+timeout 110 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py > "$OUT/gpu_tests.txt" 2>&1
 echo "gpu tests exit $?" >> "$OUT/env.txt"
-timeout 90 python3 -m lab.engine bench --model dummy:smollm2-135m --dtype bfloat16 --max-model-len 8192 \
+timeout 80 python3 -m lab.engine bench --model dummy:smollm2-135m --dtype bfloat16 --max-model-len 8192 \
     --max-num-batched-tokens 8192 --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --concurrency 32 \
     --prefill-lengths 2048,8000 --repeats 2 --throughput 64,256 --throughput-tokens 1024 \
     --json "$OUT/smollm2_bf16.json" > "$OUT/smollm2_bf16.txt" 2>&1

@@ -57,6 +57,16 @@ class Figure:
     note: str = ""
 
 
+class Figures(list):
+    """The run's figures, each logged as soon as it is measured: a run cut short by a time limit
+    still leaves what it measured in its log."""
+
+    def append(self, figure: Figure) -> None:  # type: ignore[override]
+        super().append(figure)
+        log.info("figure: %s = %s %s%s", figure.name, f"{figure.ours:,.1f}" if figure.ours else "-", figure.unit,
+                 f" ({100 * figure.floor_fraction:.0f}% of floor)" if figure.floor_fraction else "")
+
+
 @dataclass
 class DecodeRun:
     tok_s: float  # decode-phase tokens per second
@@ -177,7 +187,7 @@ def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
     prompts = PromptSource(mc.vocab_size, seed=cfg.seed + 1234)
     log.info("bench: %s on %s (%s), attention %s, KV pool %d tokens (%s)", cfg.model, device, dtype,
              engine.runner.attention.name, engine.runner.num_blocks * cfg.block_size, engine.runner.kv_dtype)
-    figures: list[Figure] = []
+    figures = Figures()
 
     engine_prefill_s(llm, prompts(64))  # warm-up: first-call allocations and kernel compiles
     prefill_sets = {n: [prompts(n) for _ in range(opts.repeats)] for n in opts.prefill_lengths}
@@ -241,11 +251,15 @@ def _run_reference(cfg: EngineConfig, opts: BenchOptions, mc: ModelConfig, devic
                 continue
             secs = _median([hf_prefill_s(model, ids, device) for ids in sets])
             by_name[f"prefill {n} tok"].reference[f"hf-{impl}"] = n / secs
+            log.info("reference hf-%s: prefill %d tok = %.1f tok/s", impl, n, n / secs)
         hf_generate_s(model, b1_prompts, 4, device)  # warm-up
         by_name["decode batch 1"].reference[f"hf-{impl}"] = _median(
             [hf_decode_tok_s(model, b1_prompts, opts.decode_tokens, device) for _ in range(opts.repeats)])
         by_name[f"decode batch {opts.concurrency} (aggregate)"].reference[f"hf-{impl}"] = _median(
             [hf_decode_tok_s(model, bc_prompts, opts.decode_tokens, device) for _ in range(opts.repeats)])
+        log.info("reference hf-%s: decode batch 1 = %.1f, batch %d = %.1f tok/s", impl,
+                 by_name["decode batch 1"].reference[f"hf-{impl}"], opts.concurrency,
+                 by_name[f"decode batch {opts.concurrency} (aggregate)"].reference[f"hf-{impl}"])
         del model
         gc.collect()
         if device.type == "cuda":
