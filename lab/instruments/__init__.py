@@ -6,9 +6,13 @@ instrument is one import and one entry here.
 
 from __future__ import annotations
 
+from lab.instruments.agreement import AgreementInstrument
 from lab.instruments.base import Instrument
 from lab.instruments.memory import MemoryInstrument
+from lab.instruments.qeval import QevalInstrument
 
 REGISTRY: dict[str, type[Instrument]] = {
+    QevalInstrument.name: QevalInstrument,
+    AgreementInstrument.name: AgreementInstrument,
     MemoryInstrument.name: MemoryInstrument,
 }

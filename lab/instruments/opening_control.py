@@ -1,0 +1,53 @@
+"""The window's opening control and what it stored: the reference that paired instruments
+(`qeval`, `agreement`) compare every later boot of the window against.
+
+The reference is the earliest warm control boot measured before this one
+(`BootContext.control_boot_ids[0]`). Arms and the closing control are all compared with that one
+boot, so every arm of a window is judged against the same rows and the closing control measures
+how far the unchanged config moved against itself. Rows are read by the control's slot, not its
+boot, because a resumed slot keeps the steps an earlier attempt of it stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+
+from lab.instruments.base import BootContext
+from lab.store import models as m
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One instrument's rows on the opening control, or why there are none to compare with."""
+
+    boot_id: int | None
+    items: list[m.QevalItem] = field(default_factory=list)
+    requests: list[m.Request] = field(default_factory=list)
+    problem: str | None = None  # set when this cannot serve as a reference
+
+
+def is_opening_control(ctx: BootContext) -> bool:
+    """Whether this boot is the reference itself: a control with no warm control before it."""
+    return ctx.role == "control" and not ctx.control_boot_ids
+
+
+def load_reference(ctx: BootContext, instrument: str) -> Reference:
+    """The opening control's stored rows of `instrument` (its steps that completed, in order)."""
+    if not ctx.control_boot_ids:
+        return Reference(None, problem=f"no warm control of window {ctx.window} was measured before this boot")
+    boot_id = ctx.control_boot_ids[0]
+    with ctx.store.session() as s:
+        slot_id = s.get_one(m.Boot, boot_id).slot_id
+        steps = s.scalars(select(m.Step).where(m.Step.slot_id == slot_id, m.Step.instrument == instrument)
+                          .order_by(m.Step.id)).all()
+        ok = [step.id for step in steps if step.status == "ok"]
+        if not ok:
+            failed = "; ".join(f"{step.key}: {step.error}" for step in steps)
+            why = f"its {instrument} step failed ({failed})" if steps else f"it stored no {instrument} step"
+            return Reference(boot_id, problem=f"the opening control (boot {boot_id}) has no reference: {why}")
+        items = s.scalars(select(m.QevalItem).where(m.QevalItem.step_id.in_(ok)).order_by(m.QevalItem.id)).all()
+        requests = s.scalars(select(m.Request).where(m.Request.step_id.in_(ok))
+                             .order_by(m.Request.step_id, m.Request.idx)).all()
+        return Reference(boot_id, items=list(items), requests=list(requests))
