@@ -20,10 +20,11 @@ from typing import Iterator
 
 import psutil
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lab import boot as engine_boot
-from lab import fingerprint
+from lab import fingerprint, verdicts
 from lab.arms import render
 from lab.arms.validate import load_ladder, parse_ladder
 from lab.instruments import REGISTRY
@@ -94,6 +95,12 @@ def execute(store: Store, run: m.Run, console: Console) -> Outcome:
                 if status != "done":
                     outcome.failures.append(f"{label}: {status}")
                 progress.console.print(f"{'✓' if status == 'done' else '✗'} {label}: {status}")
+                if slot.position == "close" and slot.window:
+                    # The window is complete: judge its arms now, so the store holds verdicts even if
+                    # a later window is interrupted.
+                    for arm, verdict in verdicts.judge_run(store, run.id, slot.window).items():
+                        progress.console.print(f"  KEEP {arm}: [bold]{verdict.decision}[/] "
+                                               f"({escape(verdict.reasons[0])})")
                 progress.advance(task)
         except (Interrupted, KeyboardInterrupt):
             writer.set_run_status(store, run.id, "interrupted")

@@ -1,0 +1,129 @@
+"""Stores for compare/report/export tests: runs built cell by cell, and one real quickstart run.
+
+`build_run` writes through the same writer `lab run` uses, so a constructed run is exactly what a
+real one would store; only the figures are chosen by the test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from lab.arms.render import plan
+from lab.arms.validate import parse_ladder
+from lab.instruments.base import Cell, QevalItem, Step, StepResult
+from lab.store import models as m
+from lab.store import writer
+from lab.store.db import Store, open_store
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Two arms in one window; kv_pool_tokens (higher is better) is the key metric, the host memory
+# floor a gate.
+LADDER = """\
+name: built
+engine: {kind: bundled, model: smollm2-135m, flags: {device: cpu}}
+windows:
+  - name: W1
+    control: C0ctl
+    arms:
+      - {name: A1, flags: {max-num-seqs: 4}}
+      - {name: A2, flags: {max-num-seqs: 8}}
+instruments:
+  memory:
+keep:
+  threshold_pct: 2
+  metrics: [memory.kv_pool_tokens]
+  gates:
+    - {metric: memory.host_mem_available_floor_gib, min: 1}
+"""
+
+
+@dataclass
+class Boot:
+    """What one slot stored."""
+
+    values: dict[str, float | list[float]] = field(default_factory=dict)  # "instrument.metric" -> value or repeats
+    cells: dict[str, list[Cell]] = field(default_factory=dict)  # instrument -> further cells (with params)
+    items: dict[str, bool] = field(default_factory=dict)  # qeval task -> passed
+    status: str = "done"
+    cold: bool = False
+    reason: str | None = None
+
+
+def build_run(store: Store, boots: dict[str, Boot], ladder: str = LADDER, name: str = "built") -> int:
+    """A run of `ladder` whose slots (named "C0ctl/open", "A1", "C0ctl/close"…) stored `boots`.
+
+    A slot not named in `boots` stays pending, as in a run still in progress.
+    """
+    text = textwrap.dedent(ladder)
+    parsed = parse_ladder(text, "t.yaml")
+    run_id = writer.create_run(store, name=name, ladder_name=parsed.name, ladder_path="t.yaml", ladder_text=text,
+                               sha256="0" * 64, engine_kind="bundled", logs_dir="/tmp", plan=plan(parsed))
+    with store.session() as s:
+        slots = s.scalars(select(m.Slot).where(m.Slot.run_id == run_id).order_by(m.Slot.idx)).all()
+        labels = {(slot.arm.name if slot.role == "arm" else f"{slot.arm.name}/{slot.position}"): slot.id
+                  for slot in slots}
+    for label, boot in boots.items():
+        slot_id = labels[label]
+        boot_id, _ = writer.start_boot(store, run_id=run_id, slot_id=slot_id, fingerprint={"host": "test"})
+        writer.update_boot(store, boot_id, status=boot.status, cold=boot.cold, reason=boot.reason,
+                           ready_at=writer.now(), stopped_at=writer.now())
+        steps: dict[str, list[Cell]] = {name: list(cells) for name, cells in boot.cells.items()}
+        for metric, value in boot.values.items():
+            instrument, _, name = metric.partition(".")
+            repeats = value if isinstance(value, list) else [value]
+            steps.setdefault(instrument, []).extend(Cell(name, v, _unit(name), repeat=i, requests=[])
+                                                    for i, v in enumerate(repeats))
+        if boot.items:
+            steps.setdefault("qeval", [])
+        for instrument, cells in steps.items():
+            items = [QevalItem(task, passed) for task, passed in boot.items.items()] if instrument == "qeval" else []
+            writer.write_step(store, slot_id=slot_id, boot_id=boot_id, instrument=instrument, step=Step("all"),
+                              result=StepResult(cells=cells, items=items), error=None, started_at=writer.now())
+        writer.set_slot_status(store, slot_id, "done" if boot.status == "done" else "failed")
+    writer.set_run_status(store, run_id, "done")
+    return run_id
+
+
+def _unit(metric: str) -> str:
+    return "tokens" if metric.endswith("tokens") else "GiB"
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = open_store(str(tmp_path / "lab.db"))
+    yield s
+    s.close()
+
+
+def lab_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`lab ARGS` as its own process, as a person runs it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250"}
+    return subprocess.run([sys.executable, "-m", "lab", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+@dataclass(frozen=True)
+class Quickstart:
+    directory: Path
+    db: Path
+    run: str
+
+
+@pytest.fixture(scope="session")
+def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Quickstart:
+    """`lab run ladders/quickstart.yaml` once per test session, on the bundled engine and SmolLM2."""
+    directory = tmp_path_factory.mktemp("quickstart")
+    done = lab_cli(["run", str(REPO / "ladders" / "quickstart.yaml"), "--name", "qs", "--db", "lab.db",
+                    "--runs-dir", "runs"], directory)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return Quickstart(directory, directory / "lab.db", "qs")
+
