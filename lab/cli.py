@@ -99,6 +99,74 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", metavar="A", help="the baseline: an arm of the latest run, or RUN:ARM")
+    parser.add_argument("b", metavar="B", help="the candidate: an arm of the latest run, or RUN:ARM")
+    parser.add_argument("--json", action="store_true", help="print the comparison as JSON, for machines")
+    _db_arg(parser)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    import json
+
+    from lab.compare import compare, print_comparison
+    from lab.store.db import open_store
+
+    store = open_store(args.db, create=False)
+    try:
+        comparison = compare(store, args.a, args.b)
+    finally:
+        store.close()
+    if args.json:
+        sys.stdout.write(json.dumps(comparison.to_dict(), indent=2, ensure_ascii=False) + "\n")
+    else:
+        print_comparison(_console(stdout=True), comparison)
+    return 0
+
+
+def _report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", nargs="?", metavar="RUN",
+                        help="a run (name, id, or ladder name for its latest run; default: the latest run)")
+    parser.add_argument("--out", default="reports", metavar="DIR",
+                        help="the report goes to DIR/<run name>/ (default: ./reports)")
+    _db_arg(parser)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from lab.report.build import write_report
+    from lab.store.db import open_store
+
+    store = open_store(args.db, create=False)
+    try:
+        path = write_report(store, args.run, args.out)
+    finally:
+        store.close()
+    _console(stdout=True).print(f"report written to {path / 'index.html'} and {path / 'index.md'}", highlight=False)
+    return 0
+
+
+def _export_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run (name, id, or ladder name for its latest run)")
+    parser.add_argument("--format", choices=("csv", "parquet", "json"), required=True,
+                        help="csv and parquet: one file per table; json: one document")
+    parser.add_argument("--out", default="exports", metavar="DIR",
+                        help="the files go to DIR/<run name>/ (default: ./exports)")
+    _db_arg(parser)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from lab.export import export_run
+    from lab.store.db import open_store
+
+    store = open_store(args.db, create=False)
+    try:
+        path = export_run(store, args.run, args.format, args.out)
+    finally:
+        store.close()
+    _console(stdout=True).print(f"exported to {path}", highlight=False)
+    return 0
+
+
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="passed to the engine: `lab engine serve --help`")
 
@@ -116,6 +184,10 @@ def _engine(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "run": ("boot a ladder's arms one by one and store every figure and request", _run_args, cmd_run),
     "ls": ("list runs, or one run's arms and boots", _ls_args, cmd_ls),
+    "compare": ("two arms side by side: values, change, noise band, statistics, KEEP verdicts", _compare_args,
+                cmd_compare),
+    "report": ("write reports/<run>/ (index.html, index.md, PNG figures) for a run", _report_args, cmd_report),
+    "export": ("write a run's tables as CSV, Parquet or JSON", _export_args, cmd_export),
     "schema": ("print the ladder JSON Schema (for editor completion)", _schema_args, cmd_schema),
     "engine": ("the bundled engine: `lab engine serve [flags]`", _engine_args, cmd_engine),
 }

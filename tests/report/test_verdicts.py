@@ -161,7 +161,8 @@ def test_judging_again_replaces_the_stored_verdicts(store) -> None:
     judge_run(store, run_id)
     judge_run(store, run_id)
     with store.session() as s:
-        assert s.scalars(select(m.Verdict.decision).order_by(m.Verdict.id)).all() == ["keep", "inconclusive"]  # A1; A2 never booted
+        # A1, and A2 (never booted)
+        assert s.scalars(select(m.Verdict.decision).order_by(m.Verdict.id)).all() == ["keep", "inconclusive"]
 
 
 def test_a_ladder_without_key_metrics_is_measured_but_never_judged(store) -> None:

@@ -1,0 +1,436 @@
+"""`lab compare A B`: two arms side by side, metric by metric, with the KEEP verdicts behind them.
+
+A is the baseline and B the candidate: Δ % is (B − A) / |A|, and "better" follows the metric's
+declared direction. A side's value is the mean over its warm, finished boots of each boot's
+median of repeats (a control has two boots, the window's opening and closing one), the same
+figure the KEEP rule uses. The noise band of a window is how far its two controls differ.
+
+Statistics only where there are repeats, and the table says which was used:
+- a percentile bootstrap 95 % interval of the ratio of medians when each side has ≥ 2 samples;
+  a change is "established" only when the whole interval lies beyond the threshold (criterion's
+  rule, method.md §3, §5);
+- an exact (or normal-approximation) Mann-Whitney p only when the sample sizes can reach
+  p < 0.05 at all (4 vs 4 or more: 3 vs 3 never can, method.md §5); otherwise it says so.
+
+Verdicts are judged again from the stored cells (and stored) for every run involved, so the
+table shows exactly what the rule decides on the data as it is now.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from sqlalchemy import func, select
+
+from lab import keep, verdicts
+from lab.stats import (bootstrap_ratio_of_medians, mann_whitney, median_of_repeats, min_reachable_p, noise_band,
+                       paired_counts, relative_delta)
+from lab.store import models as m
+from lab.store import reader
+from lab.store.db import Store
+
+ALPHA = 0.05
+CONFIDENCE = 0.95
+CI_SEED = 0
+
+
+class CompareError(LookupError):
+    """An arm reference that cannot be compared; one line a person can act on."""
+
+
+@dataclass(frozen=True)
+class Side:
+    """One of the two arms: where it lives and the boots its figures come from."""
+
+    ref: str  # as shown: ARM, or RUN:ARM when the two sides come from different runs
+    arm: str
+    evidence: verdicts.RunEvidence
+
+    @property
+    def role(self) -> str:
+        return self.evidence.role(self.arm)
+
+    @property
+    def window(self) -> str:
+        return self.evidence.window(self.arm)
+
+    @property
+    def slots(self) -> list[verdicts.SlotCells]:
+        """Finished, warm boots only: a cold boot is never a figure, a failed one has none."""
+        return [s for s in self.evidence.arm_slots(self.arm) if s.measured and not s.cold]
+
+    def left_out(self) -> list[str]:
+        return [f"{s.label}: {'booted cold' if s.cold and s.measured else 'no finished boot'}, left out"
+                for s in self.evidence.arm_slots(self.arm) if not s.measured or s.cold]
+
+    def samples(self, selector: verdicts.Selector) -> tuple[list[float], list[float], str]:
+        """(each boot's median, every repeat pooled, unit)."""
+        medians, pooled, unit = [], [], ""
+        for slot in self.slots:
+            found = self.evidence.select(slot, selector)
+            if found.values:
+                medians.append(median_of_repeats(found.values))
+                pooled += found.values
+                unit = unit or found.unit
+        return medians, pooled, unit
+
+
+@dataclass(frozen=True)
+class Statistics:
+    test: str  # "none" | "bootstrap" | "bootstrap + mann-whitney"
+    text: str  # the full statement
+    short: str  # for a table cell
+    n_a: int
+    n_b: int
+    ci_low_pct: float | None = None  # of (median B / median A − 1), in percent
+    ci_high_pct: float | None = None
+    ci_method: str | None = None
+    mann_whitney_p: float | None = None
+    mann_whitney_method: str | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    metric: str
+    kind: str  # key | gate | metric (every metric, when the ladder names no key metric)
+    rule: str  # "higher is better", "≥ 1", …
+    unit: str
+    higher_is_better: bool | None
+    a: float | None
+    b: float | None
+    delta_pct: float | None  # (B − A) / |A| in percent
+    change: str  # better | worse | within | "" (no figure)
+    noise_band_pct: dict[str, float | None]  # window label -> controls' relative difference in percent
+    statistics: Statistics | None
+    note: str = ""
+    gate: dict[str, bool | None] | None = None  # for a gate: {"a": holds?, "b": holds?}
+
+
+@dataclass(frozen=True)
+class Quality:
+    qeval: dict[str, Any] | None
+    agreement: list[dict[str, Any]]
+
+
+@dataclass
+class Comparison:
+    a: Side
+    b: Side
+    threshold_pct: float
+    rows: list[Row]
+    quality: Quality
+    verdicts: dict[str, dict[str, Any] | None]  # side ref -> stored verdict (None: a control, or no rule)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        def side(s: Side) -> dict[str, Any]:
+            return {"ref": s.ref, "run": s.evidence.run_name, "arm": s.arm, "role": s.role, "window": s.window,
+                    "boots": [slot.label for slot in s.slots]}
+
+        return _finite({
+            "a": side(self.a), "b": side(self.b), "threshold_pct": self.threshold_pct,
+            "rows": [{**{k: v for k, v in row.__dict__.items() if k != "statistics"},
+                      "statistics": None if row.statistics is None else dict(row.statistics.__dict__)}
+                     for row in self.rows],
+            "qeval": self.quality.qeval, "agreement": self.quality.agreement,
+            "verdicts": self.verdicts, "notes": self.notes,
+        })
+
+
+def resolve(store: Store, ref: str, latest: int | None = None) -> tuple[int, str]:
+    """ARM in the latest run, or RUN:ARM; (run id, arm name)."""
+    run_ref, _, arm = ref.rpartition(":")
+    if run_ref:
+        run_id = reader.find_run(store, run_ref).id
+    elif latest is not None:
+        run_id = latest
+    else:
+        raise CompareError("this store has no runs; `lab run LADDER.yaml` makes one")
+    arms = [a.name for a in reader.arms(store, run_id)]
+    if arm not in arms:
+        name = reader.find_run(store, str(run_id)).name
+        raise CompareError(f"run {name} has no arm {arm!r}; its arms are {', '.join(arms)}")
+    return run_id, arm
+
+
+def compare(store: Store, a_ref: str, b_ref: str) -> Comparison:
+    latest = store_latest_run(store)
+    (a_run, a_arm), (b_run, b_arm) = resolve(store, a_ref, latest), resolve(store, b_ref, latest)
+    runs = {run_id: verdicts.load(store, run_id) for run_id in (a_run, b_run)}
+    for evidence in runs.values():
+        if not any(slot.cells for slot in evidence.slots):
+            raise CompareError(f"run {evidence.run_name} has no stored cells yet; `lab ls {evidence.run_name}` "
+                               "shows its boots")
+    same_run = a_run == b_run
+    a = Side(a_arm if same_run else f"{runs[a_run].run_name}:{a_arm}", a_arm, runs[a_run])
+    b = Side(b_arm if same_run else f"{runs[b_run].run_name}:{b_arm}", b_arm, runs[b_run])
+    if a.ref == b.ref:
+        raise CompareError(f"both sides are {a.ref}; name two different arms")
+
+    judged = {run_id: verdicts.judge_run(store, run_id) for run_id in runs}
+    spec = b.evidence.spec
+    threshold = spec.rule.threshold_pct if spec.rule else keep.DEFAULT_THRESHOLD_PCT
+    notes = a.left_out() + b.left_out()
+    if not same_run:
+        notes.append(f"{a.ref} and {b.ref} come from different runs: the comparison crosses windows, "
+                     "and each window's noise band is shown")
+    elif a.window != b.window:
+        notes.append(f"{a.arm} and {b.arm} are in different windows ({a.window}, {b.window}): the comparison "
+                     "crosses windows, and each window's noise band is shown")
+    rows = _rows(a, b, threshold)
+    if spec.rule is None:
+        notes.append(f"the ladder of run {b.evidence.run_name} names no key metric: every metric both sides "
+                     "measured is shown, and nothing is judged")
+    return Comparison(a=a, b=b, threshold_pct=threshold, rows=rows, quality=_quality(store, a, b),
+                      verdicts={side.ref: _verdict(side, judged[side.evidence.run_id]) for side in (a, b)},
+                      notes=notes)
+
+
+def store_latest_run(store: Store) -> int | None:
+    with store.session() as s:
+        return s.scalar(select(func.max(m.Run.id)))
+
+
+def _verdict(side: Side, judged: dict[str, keep.Verdict]) -> dict[str, Any] | None:
+    verdict = judged.get(side.arm)
+    if verdict is None:
+        return None
+    control = side.evidence.control_of(side.window)
+    return {"decision": str(verdict.decision), "against": control, "window": side.window,
+            "reasons": list(verdict.reasons), "detail": verdict.to_dict()}
+
+
+def _rows(a: Side, b: Side, threshold: float) -> list[Row]:
+    """Key metrics and gates of both ladders (B's first), or every shared metric without a rule."""
+    wanted: dict[verdicts.Selector, verdicts.GateSpec | None] = {}
+    for spec in (b.evidence.spec, a.evidence.spec):
+        if spec.rule is None:
+            continue
+        for selector in spec.metrics:
+            wanted.setdefault(selector, None)
+        for gate in spec.gates:
+            wanted.setdefault(gate.selector, gate)
+    if not wanted:
+        shared = _measured(a) & _measured(b) or _measured(a) | _measured(b)
+        return [_row(a, b, selector, "metric", None, threshold) for selector in sorted(shared, key=lambda s: s.label)]
+    return [_row(a, b, selector, "key" if gate is None else "gate", gate, threshold)
+            for selector, gate in wanted.items()]
+
+
+def _measured(side: Side) -> set[verdicts.Selector]:
+    return {verdicts.Selector(c.instrument, c.metric, tuple(sorted(c.params.items())))
+            for slot in side.slots for c in slot.cells if c.valid and c.value is not None}
+
+
+def _row(a: Side, b: Side, selector: verdicts.Selector, kind: str, gate: verdicts.GateSpec | None,
+         threshold: float) -> Row:
+    higher = b.evidence.higher_is_better(selector)
+    if higher is None:
+        higher = a.evidence.higher_is_better(selector)
+    rule = gate.bounds if gate else "" if higher is None else "higher is better" if higher else "lower is better"
+    a_medians, a_pooled, a_unit = a.samples(selector)
+    b_medians, b_pooled, b_unit = b.samples(selector)
+    a_value = _mean(a_medians)
+    b_value = _mean(b_medians)
+    delta, change, note = None, "", ""
+    if a_value is None or b_value is None:
+        missing = [s.ref for s, v in ((a, a_value), (b, b_value)) if v is None]
+        note = f"no value from {' and '.join(missing)}"
+    elif a_value == 0:
+        note = "A is 0: a relative change is undefined"
+    else:
+        delta = relative_delta(b_value, a_value) + 0.0
+        if abs(delta) <= threshold or higher is None:
+            change = "within" if abs(delta) <= threshold else "changed"
+        else:
+            change = "better" if (delta > 0) == higher else "worse"
+    noise = {}
+    for side in (a, b):
+        label = side.window if a.evidence is b.evidence else f"{side.evidence.run_name}:{side.window}"
+        noise.setdefault(label, _noise(side, selector))
+    stats = _statistics(a_pooled, b_pooled, higher, threshold) if delta is not None else None
+    holds = None if gate is None else {side: None if value is None else gate.check(value, "").passed
+                                       for side, value in (("a", a_value), ("b", b_value))}
+    return Row(metric=selector.label, kind=kind, rule=rule, unit=b_unit or a_unit, higher_is_better=higher,
+               a=a_value, b=b_value, delta_pct=delta, change=change, noise_band_pct=noise, statistics=stats, note=note,
+               gate=holds)
+
+
+def _noise(side: Side, selector: verdicts.Selector) -> float | None:
+    """How far the window's two warm controls differ on this metric, in percent; None if they cannot say."""
+    values = []
+    for slot in side.evidence.controls(side.window):
+        if slot is None or not slot.measured or slot.cold:
+            return None
+        found = side.evidence.select(slot, selector)
+        if not found.values:
+            return None
+        values.append(median_of_repeats(found.values))
+    try:
+        return noise_band(*values) * 100
+    except ValueError:  # controls averaging to 0
+        return None
+
+
+def _statistics(a: list[float], b: list[float], higher: bool | None, threshold: float) -> Statistics:
+    n_a, n_b = len(a), len(b)
+    sizes = f"n {n_a} vs {n_b}"
+    if min(n_a, n_b) < 2:
+        return Statistics("none", f"{sizes}: no interval (needs ≥ 2 samples per side)", f"{sizes}: no CI", n_a, n_b)
+    if min(a + b) <= 0:
+        return Statistics("none", f"{sizes}, not all positive: no ratio interval", f"{sizes}: no CI", n_a, n_b)
+    interval = bootstrap_ratio_of_medians(b, a, confidence=CONFIDENCE, seed=CI_SEED)
+    low, high = (interval.low - 1) * 100, (interval.high - 1) * 100
+    shown = f"{CONFIDENCE * 100:g} % CI [{low:+.1f}, {high:+.1f}] %"
+    text = f"{sizes}: {shown} of median B/A (percentile bootstrap)"
+    if low > threshold or high < -threshold:
+        direction = "higher" if low > threshold else "lower"
+        finding = (f"B {direction}" if higher is None
+                   else "improvement" if (direction == "higher") == higher else "regression")
+        text += f": {finding} established (the whole CI is beyond ±{threshold:g} %)"
+        short = f"{shown} bootstrap: established"
+    else:
+        text += f": not established beyond ±{threshold:g} %"
+        short = f"{shown} bootstrap: not established"
+    floor = min_reachable_p(n_a, n_b)
+    if floor >= ALPHA:
+        text += f"; Mann-Whitney not used: {n_a} vs {n_b} cannot reach p < {ALPHA:g} (smallest p {floor:.2g})"
+        return Statistics("bootstrap", text, short, n_a, n_b, low, high, interval.method)
+    test = mann_whitney(b, a)
+    text += f"; Mann-Whitney p={test.p:.2g} ({test.method})"
+    return Statistics("bootstrap + mann-whitney", text, f"{short}; MW p={test.p:.2g}", n_a, n_b, low, high,
+                      interval.method, test.p, test.method)
+
+
+def _quality(store: Store, a: Side, b: Side) -> Quality:
+    return Quality(qeval=_qeval(store, a, b), agreement=_agreement(a, b))
+
+
+def _qeval(store: Store, a: Side, b: Side) -> dict[str, Any] | None:
+    """Task by task, A as the reference: broke = passed on A, failed on B; exact McNemar p."""
+    a_slot, a_items = _qeval_items(store, a)
+    b_slot, b_items = _qeval_items(store, b)
+    if a_slot is None and b_slot is None:
+        return None
+    if a_slot is None or b_slot is None:
+        return {"note": f"qeval ran on only one side ({(a_slot or b_slot).label})"}
+    counts = paired_counts(a_items, b_items)
+    return {"a_boot": a_slot.label, "b_boot": b_slot.label, "n": counts.n, "both_pass": counts.both_pass,
+            "both_fail": counts.both_fail, "broke": counts.broke, "fixed": counts.fixed,
+            "mcnemar_p": counts.p_value, "a_passed": sum(a_items.values()), "b_passed": sum(b_items.values()),
+            "broke_tasks": sorted(t for t in a_items.keys() & b_items.keys() if a_items[t] and not b_items[t]),
+            "fixed_tasks": sorted(t for t in a_items.keys() & b_items.keys() if b_items[t] and not a_items[t]),
+            "one_side_only": list(counts.missing)}
+
+
+def _qeval_items(store: Store, side: Side) -> tuple[verdicts.SlotCells | None, dict[str, bool]]:
+    """The first warm finished boot of the side with qeval items (a control's opening one first)."""
+    with store.session() as s:
+        for slot in side.slots:
+            rows = s.execute(select(m.QevalItem.task, m.QevalItem.passed)
+                             .where(m.QevalItem.slot_id == slot.id)).tuples().all()
+            if rows:
+                return slot, {task: bool(passed) for task, passed in rows}
+    return None, {}
+
+
+def _agreement(a: Side, b: Side) -> list[dict[str, Any]]:
+    """The agreement instrument's figures on each side, each measured against its own window's control."""
+    selectors = {sel for sel in _measured(a) | _measured(b) if sel.instrument == "agreement"}
+    rows = []
+    for selector in sorted(selectors, key=lambda sel: sel.label):
+        a_medians, _, a_unit = a.samples(selector)
+        b_medians, _, b_unit = b.samples(selector)
+        rows.append({"metric": selector.label, "unit": b_unit or a_unit, "a": _mean(a_medians),
+                     "b": _mean(b_medians)})
+    return rows
+
+
+def _mean(values: list[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: such a figure is reported as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def print_comparison(console: Console, c: Comparison) -> None:
+    """The table, then quality, then the verdicts with their reasons."""
+    runs = c.a.evidence.run_name
+    if c.a.evidence is not c.b.evidence:
+        runs += f" → {c.b.evidence.run_name}"
+    console.print(f"[bold]{escape(c.a.ref)}[/] (A, {c.a.role}, window {c.a.window}) → [bold]{escape(c.b.ref)}[/] "
+                  f"(B, {c.b.role}, window {c.b.window}) · run {escape(runs)} · KEEP threshold "
+                  f"{c.threshold_pct:g} %", highlight=False)
+    table = Table(title_justify="left")
+    table.add_column("metric", no_wrap=True)
+    for name in ("rule", "A", "B", "Δ % (B vs A)", "noise band", "statistics"):
+        table.add_column(name, justify="right" if name in ("A", "B") else "left")
+    for row in c.rows:
+        delta = "–" if row.delta_pct is None else f"{row.delta_pct:+.1f} {row.change}"
+        style = {"better": "green", "worse": "red"}.get(row.change)
+        noise = ", ".join(f"{w} {'–' if v is None else f'{v:.1f} %'}" for w, v in row.noise_band_pct.items())
+        stats = row.statistics.short if row.statistics else row.note
+        unit = f" ({row.unit})" if row.unit else ""
+        rule = f"{row.kind}: {row.rule}" if row.rule else row.kind
+        if row.gate is not None:
+            rule += " (" + ", ".join(f"{side.upper()} {_holds(ok)}" for side, ok in row.gate.items()) + ")"
+        table.add_row(escape(row.metric + unit), rule,
+                      _num(row.a), _num(row.b), f"[{style}]{delta}[/]" if style else delta, noise, escape(stats))
+    console.print(table)
+    for row in c.rows:
+        if row.statistics is not None and row.statistics.test != "none":
+            console.print(f"{escape(row.metric)}: {escape(row.statistics.text)}", highlight=False)
+    qeval = c.quality.qeval
+    if qeval is not None:
+        if "note" in qeval:
+            console.print(f"qeval: {qeval['note']}")
+        else:
+            console.print(f"qeval, paired by task ({qeval['a_boot']} → {qeval['b_boot']}): {qeval['n']} tasks, "
+                          f"A passed {qeval['a_passed']}, B passed {qeval['b_passed']}; both pass "
+                          f"{qeval['both_pass']}, both fail {qeval['both_fail']}, [red]broke {qeval['broke']}[/], "
+                          f"[green]fixed {qeval['fixed']}[/], exact McNemar p={qeval['mcnemar_p']:.3g}",
+                          highlight=False)
+            for label in ("broke", "fixed"):
+                if qeval[f"{label}_tasks"]:
+                    console.print(f"  {label}: {', '.join(qeval[f'{label}_tasks'])}", highlight=False)
+    if c.quality.agreement:
+        table = Table("agreement (each against its window's control)", "unit", "A", "B", title_justify="left")
+        for row in c.quality.agreement:
+            table.add_row(escape(row["metric"]), row["unit"], _num(row["a"]), _num(row["b"]))
+        console.print(table)
+    for side in (c.a, c.b):
+        verdict = c.verdicts[side.ref]
+        if verdict is None:
+            why = "a control: the reference of its window" if side.role == "control" else "no key metric"
+            console.print(f"KEEP {escape(side.ref)}: not judged ({why})", highlight=False)
+            continue
+        colour = {"keep": "green", "reject": "red"}.get(verdict["decision"], "yellow")
+        console.print(f"KEEP {escape(side.ref)}: [bold {colour}]{verdict['decision']}[/] against "
+                      f"{verdict['against']} (window {verdict['window']})", highlight=False)
+        for reason in verdict["reasons"]:
+            console.print(f"  · {escape(reason)}", highlight=False)
+    for note in c.notes:
+        console.print(f"note: {escape(note)}", style="dim", highlight=False)
+
+
+def _holds(ok: bool | None) -> str:
+    return "–" if ok is None else "[green]holds[/]" if ok else "[red]fails[/]"
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4g}"

@@ -1,0 +1,104 @@
+"""`lab report [RUN]`: judge the run again from its cells, then write `<out>/<run name>/` with
+`index.md`, a self-contained `index.html` and one PNG per figure.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from lab import verdicts
+from lab.arms.validate import parse_ladder
+from lab.report import document as doc
+from lab.report import tables
+from lab.report.data import RunData, load
+from lab.report.figures import Drawn, draw_all
+from lab.store import reader
+from lab.store.db import Store
+
+log = logging.getLogger("lab.report")
+
+
+def pick_run(store: Store, ref: str | None) -> tuple[int, str]:
+    """(id, name) of the run named by `ref`, or of the latest run; LookupError when there is none or it has no cells."""
+    if ref is None:
+        runs = reader.list_runs(store)
+        if not runs:
+            raise LookupError("this store has no runs; `lab run LADDER.yaml` makes one")
+        run_id, name = runs[-1].id, runs[-1].name
+    else:
+        run = reader.find_run(store, ref)
+        run_id, name = run.id, run.name
+    evidence = verdicts.load(store, run_id)
+    if not any(slot.cells for slot in evidence.slots):
+        raise LookupError(f"run {name} has no stored cells yet; `lab ls {name}` shows its boots")
+    return run_id, name
+
+
+def write_report(store: Store, ref: str | None, out: str | Path = "reports") -> Path:
+    """Write the report of a run (default: the latest) and return its directory."""
+    run_id, name = pick_run(store, ref)
+    verdicts.judge_run(store, run_id)
+    data = load(store, run_id)
+    ladder = parse_ladder(data.run["ladder_text"], f"{name} (stored ladder)")
+    drawn = draw_all(data, [instrument for instrument, _ in ladder.instruments.sections()])
+    directory = Path(out) / name.replace("/", "_")
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.png"):  # a figure that is skipped now must not linger from an earlier report
+        stale.unlink()
+    for figure in drawn:
+        if figure.png is not None:
+            (directory / f"{figure.name}.png").write_bytes(figure.png)
+    blocks = _blocks(data, ladder.description, drawn)
+    title = f"Run {name}"
+    (directory / "index.md").write_text(doc.markdown(title, blocks))
+    (directory / "index.html").write_text(doc.html_document(title, blocks))
+    log.info("report of %s written to %s", name, directory)
+    return directory
+
+
+def _blocks(data: RunData, description: str, drawn: list[Drawn]) -> list[doc.Block]:
+    run = data.run
+    figures = {d.name: d for d in drawn}
+    boots = data.boots
+    done = int((boots["status"] == "done").sum())
+    summary = (f"Ladder {run['ladder_name']}" + (f" ({description})" if description else "") +
+               f", {run['engine_kind']} engine, ladder sha256 {run['ladder_sha256'][:12]}. Run {run['status']}, "
+               f"started {run['created_at']:%Y-%m-%d %H:%M} UTC; {len(data.slots)} planned boots, {done} finished, "
+               f"{len(boots) - done} did not.")
+    blocks: list[doc.Block] = [doc.Paragraph(summary), doc.Heading("KEEP verdicts")]
+
+    keep = tables.keep_table(data)
+    if keep.empty:
+        blocks.append(doc.Paragraph("No verdicts: the ladder names no key metric, or the run has no arms.", note=True))
+    else:
+        counts = keep["verdict"].value_counts()
+        blocks.append(doc.Paragraph("Each arm against the warm controls of its own window. "
+                                    + ", ".join(f"{counts.get(d, 0)} {d}" for d in doc.VERDICT_CLASSES) + "."))
+        blocks.append(doc.TableBlock(keep, row_class="verdict"))
+        blocks.append(doc.Items([f"{arm}: " + " · ".join(why) for arm, why in tables.reasons(data).items()]))
+    blocks.append(doc.FigureBlock(figures["keep"]))
+
+    for name, heading in (("decode_ladder", "Decode ladder"), ("prefill", "Prefill"), ("needle", "Needle retrieval"),
+                          ("mixed", "Mixed traffic")):
+        blocks += [doc.Heading(heading), doc.FigureBlock(figures[name])]
+
+    blocks.append(doc.Heading("Quality"))
+    qeval = tables.qeval_table(data)
+    blocks.append(doc.Paragraph("qeval, task by task against the window's opening control "
+                                "(broke: passed on the control, failed here; exact McNemar p of broke vs fixed)."))
+    blocks.append(doc.TableBlock(qeval) if not qeval.empty
+                  else doc.Paragraph("No qeval items from a warm finished boot.", note=True))
+    agreement = tables.agreement_table(data)
+    blocks.append(doc.Paragraph("Greedy agreement with the window's control (same prompts at T=0)."))
+    blocks.append(doc.TableBlock(agreement) if not agreement.empty
+                  else doc.Paragraph("No agreement figures from a warm finished boot.", note=True))
+
+    blocks += [doc.Heading("Boots"), doc.FigureBlock(figures["boot_timeline"]),
+               doc.TableBlock(tables.boots_table(data))]
+    blocks += [doc.Heading("Every stored figure"),
+               doc.Collapsed("Median of repeats per boot; cold boots marked (never used for KEEP)",
+                             [doc.TableBlock(tables.figures_table(data))])]
+    blocks += [doc.Heading("Ladder"), doc.Code(run["ladder_text"], "yaml")]
+    blocks += [doc.Heading("Environment"), doc.TableBlock(tables.fingerprint_table(data))]
+    return blocks

@@ -1,0 +1,96 @@
+"""A run's rows as pandas frames: the stored tables as they are, and the joined views figures use.
+
+`tables` is what `lab export` writes: every table's rows that belong to the run, columns exactly
+as stored (JSON columns as Python objects). `RunData` adds to cells, boots, steps and qeval items
+the slot they belong to (arm, role, position, window, a readable label), so a figure can group by
+arm without joining anything itself. Times are UTC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Table, select
+
+from lab.store import models as m
+from lab.store.db import Store
+
+# Export order: each table after the ones it refers to.
+TABLES: dict[str, Table] = {
+    "runs": m.Run.__table__, "arms": m.Arm.__table__, "slots": m.Slot.__table__, "boots": m.Boot.__table__,
+    "steps": m.Step.__table__, "cells": m.Cell.__table__, "requests": m.Request.__table__,
+    "qeval_items": m.QevalItem.__table__, "verdicts": m.Verdict.__table__,
+}
+
+
+def tables(store: Store, run_id: int, include: tuple[str, ...] = tuple(TABLES)) -> dict[str, pd.DataFrame]:
+    """The rows of each named table that belong to the run."""
+    slot_ids = select(m.Slot.id).where(m.Slot.run_id == run_id)
+    step_ids = select(m.Step.id).where(m.Step.slot_id.in_(slot_ids))
+    where: dict[str, Any] = {
+        "runs": m.Run.id == run_id, "arms": m.Arm.run_id == run_id, "slots": m.Slot.run_id == run_id,
+        "boots": m.Boot.run_id == run_id, "steps": m.Step.slot_id.in_(slot_ids),
+        "cells": m.Cell.slot_id.in_(slot_ids), "requests": m.Request.step_id.in_(step_ids),
+        "qeval_items": m.QevalItem.slot_id.in_(slot_ids), "verdicts": m.Verdict.run_id == run_id,
+    }
+    frames = {}
+    with store.engine.connect() as connection:
+        for name in include:
+            table = TABLES[name]
+            query = select(table).where(where[name]).order_by(table.c.id)
+            frames[name] = pd.read_sql(query, connection)
+    return frames
+
+
+@dataclass
+class RunData:
+    run: dict[str, Any]
+    arms: pd.DataFrame
+    slots: pd.DataFrame  # + arm, label
+    boots: pd.DataFrame  # + idx, arm, slot_role, position, window, label
+    steps: pd.DataFrame  # + the same slot columns
+    cells: pd.DataFrame  # + the same slot columns, and the boot's cold flag and status
+    qeval: pd.DataFrame  # qeval items + the same slot columns
+    verdicts: pd.DataFrame  # + arm, window
+
+    def instrument_cells(self, instrument: str, measured_only: bool = True) -> pd.DataFrame:
+        """Valid cells of one instrument, params expanded into columns; warm finished boots only by default."""
+        cells = self.cells[(self.cells["instrument"] == instrument) & self.cells["valid"]
+                           & self.cells["value"].notna()]
+        if measured_only:
+            cells = cells[(cells["slot_status"] == "done") & ~cells["cold"]]
+        if cells.empty:
+            return cells
+        params = pd.DataFrame(list(cells["params"]), index=cells.index)
+        # A param named like a cell column (say `window`) must not shadow it.
+        params = params.rename(columns={c: f"param_{c}" for c in params.columns if c in cells.columns})
+        return cells.join(params)
+
+
+def load(store: Store, run_id: int) -> RunData:
+    raw = tables(store, run_id, include=("runs", "arms", "slots", "boots", "steps", "cells", "qeval_items",
+                                         "verdicts"))
+    arms = raw["arms"]
+    names = arms.set_index("id")["name"]
+    slots = raw["slots"].assign(arm=lambda f: f["arm_id"].map(names))
+    slots["label"] = [slot_label(arm, role, position) for arm, role, position
+                      in zip(slots["arm"], slots["role"], slots["position"])]
+    slot_columns = slots.set_index("id")[["idx", "arm", "role", "position", "window", "label", "status"]].rename(
+        columns={"role": "slot_role", "status": "slot_status"})
+    boots = raw["boots"].join(slot_columns, on="slot_id")
+    steps = raw["steps"].join(slot_columns, on="slot_id")
+    cells = raw["cells"].join(slot_columns, on="slot_id").join(
+        boots.set_index("id")[["cold", "status", "attempt"]].rename(columns={"status": "boot_status"}), on="boot_id")
+    qeval = raw["qeval_items"].join(slot_columns, on="slot_id").join(
+        boots.set_index("id")[["cold"]], on="boot_id")
+    verdicts = raw["verdicts"].assign(arm=lambda f: f["arm_id"].map(names),
+                                      window=lambda f: f["arm_id"].map(arms.set_index("id")["window"]))
+    return RunData(run=raw["runs"].iloc[0].to_dict(), arms=arms, slots=slots, boots=boots, steps=steps, cells=cells,
+                   qeval=qeval, verdicts=verdicts)
+
+
+def slot_label(arm: str, role: str, position: str) -> str:
+    """How a slot is named to people: the arm, and for a control or the warm-up where it stands."""
+    return arm if role == "arm" else f"{arm}/{position}"

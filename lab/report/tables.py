@@ -1,0 +1,146 @@
+"""The report's tables as DataFrames: KEEP verdicts, qeval paired counts, agreement, boots,
+every stored figure, and the environment fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pandas as pd
+
+from lab.report.data import RunData
+from lab.stats import paired_counts
+
+
+def keep_table(data: RunData) -> pd.DataFrame:
+    """One row per judged arm: its change, decision, each key metric's Δ %, gates, the deciding reason."""
+    changes = data.arms.set_index("name")["change"]
+    rows = []
+    for verdict in data.verdicts.itertuples():
+        detail = verdict.detail
+        row: dict[str, Any] = {"arm": verdict.arm, "window": verdict.window, "change": _change(changes[verdict.arm]),
+                               "verdict": verdict.decision}
+        for metric in detail.get("metrics", []):
+            delta = metric.get("delta_pct")
+            row[f"{metric['name']} Δ %"] = "–" if delta is None else f"{delta:+.1f}"
+            drift = metric.get("drift_pct")
+            row[f"{metric['name']} controls apart %"] = "–" if drift is None else f"{drift:.1f}"
+        for gate, result in detail.get("gates", {}).items():
+            row[f"gate {gate}"] = "no result" if result is None else "holds" if result["passed"] else "fails"
+        row["because"] = verdict.reasons[0] if verdict.reasons else ""
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def reasons(data: RunData) -> dict[str, list[str]]:
+    return {verdict.arm: list(verdict.reasons) for verdict in data.verdicts.itertuples()}
+
+
+def qeval_table(data: RunData) -> pd.DataFrame:
+    """Every measured boot against its window's opening control, task by task (what the qeval gate pairs)."""
+    items = data.qeval[(data.qeval["slot_status"] == "done") & ~data.qeval["cold"]]
+    rows = []
+    for window, part in items.groupby("window", sort=False):
+        opening = part[(part["slot_role"] == "control") & (part["position"] == "open")]
+        reference = dict(zip(opening["task"], opening["passed"].astype(bool)))
+        for (_, label), boot in part.groupby(["idx", "label"], sort=True):
+            if not opening.empty and boot["slot_id"].iloc[0] == opening["slot_id"].iloc[0]:
+                continue
+            outcome = dict(zip(boot["task"], boot["passed"].astype(bool)))
+            row = {"window": window, "boot": label, "tasks": len(outcome), "passed": sum(outcome.values())}
+            if reference:
+                counts = paired_counts(reference, outcome)
+                row.update({"control passed": sum(reference.values()), "broke": counts.broke, "fixed": counts.fixed,
+                            "McNemar p (exact)": f"{counts.p_value:.3g}",
+                            "broke tasks": ", ".join(sorted(t for t in reference.keys() & outcome.keys()
+                                                            if reference[t] and not outcome[t])),
+                            "fixed tasks": ", ".join(sorted(t for t in reference.keys() & outcome.keys()
+                                                            if outcome[t] and not reference[t]))})
+            else:
+                row["note"] = "no warm opening control with qeval items: nothing to pair against"
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def agreement_table(data: RunData) -> pd.DataFrame:
+    """The agreement instrument's summary figures per boot (each against its window's control)."""
+    cells = data.instrument_cells("agreement")
+    if cells.empty:
+        return cells
+    summary = cells[cells["params"].map(len) == 0]
+    table = summary.pivot_table(index=["idx", "label"], columns="metric", values="value", aggfunc="median")
+    table.columns = [f"{c} ({_unit(summary, c)})" for c in table.columns]
+    return table.reset_index(level="idx", drop=True).reset_index().rename(columns={"label": "boot"})
+
+
+def figures_table(data: RunData) -> pd.DataFrame:
+    """Every stored figure: instrument, metric and params down, boots across; median of repeats."""
+    cells = data.cells[data.cells["valid"] & data.cells["value"].notna() & (data.cells["slot_role"] != "warmup")]
+    if cells.empty:
+        return pd.DataFrame()
+    cells = cells.assign(params_text=cells["params"].map(_params),
+                         boot=cells["label"] + cells["cold"].map({True: " (cold)", False: ""}))
+    table = cells.pivot_table(index=["instrument", "metric", "params_text", "unit"], columns="boot", values="value",
+                              aggfunc="median", sort=False)
+    order = cells.drop_duplicates("boot").sort_values("idx")["boot"]
+    table = table[[b for b in order if b in table.columns]]
+    return table.map(_number).reset_index().rename(columns={"params_text": "params"})
+
+
+def boots_table(data: RunData) -> pd.DataFrame:
+    boots = data.boots.sort_values(["idx", "attempt"])
+    return pd.DataFrame({
+        "slot": boots["idx"], "boot": boots["label"], "window": boots["window"].fillna("warm-up"),
+        "try": boots["attempt"], "status": boots["status"], "cold": boots["cold"].map({True: "cold", False: ""}),
+        "ready s": boots["ready_s"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}"),
+        "reason": boots["reason"].fillna(""),
+    })
+
+
+def fingerprint_table(data: RunData) -> pd.DataFrame:
+    """The environment every boot recorded; a key whose value differs between boots lists each value."""
+    values: dict[str, dict[str, list[str]]] = {}
+    for boot in data.boots.itertuples():
+        for key, value in _flatten(boot.fingerprint or {}).items():
+            values.setdefault(key, {}).setdefault(value, []).append(boot.label)
+    rows = []
+    for key, seen in values.items():
+        if len(seen) == 1:
+            rows.append({"key": key, "value": next(iter(seen))})
+        else:
+            rows.append({"key": key, "value": "; ".join(f"{v} ({', '.join(b)})" for v, b in seen.items())})
+    return pd.DataFrame(rows)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(value, dict):
+        out: dict[str, str] = {}
+        for key, inner in value.items():
+            out.update(_flatten(inner, f"{prefix}{key}."))
+        return out
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        out = {}
+        for i, inner in enumerate(value):
+            out.update(_flatten(inner, f"{prefix}{i}."))
+        return out
+    return {prefix.rstrip("."): json.dumps(value) if isinstance(value, list) else str(value)}
+
+
+def _change(change: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for part in ("flags", "env") for k, v in change.get(part, {}).items()) or "-"
+
+
+def _params(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def _unit(cells: pd.DataFrame, metric: str) -> str:
+    units = cells.loc[cells["metric"] == metric, "unit"].unique()
+    return str(units[0]) if len(units) else ""
+
+
+def _number(value: float) -> str:
+    if pd.isna(value):
+        return ""
+    return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
