@@ -28,7 +28,7 @@ Definitions, per prompt, on the generated token sequences:
 - top-k consistent: the share of prompts that are identical, or whose two tokens at the first
   divergence each appear in the other side's top-k (vLLM's `check_logprobs_close` criterion: a
   near-tie flipped, not a different distribution). A sequence that ended where the other went on
-  is not consistent (the end token's logprobs are not returned).
+  is not consistent: engines differ in whether they return the end token's logprobs.
 
 Without logprobs (an engine that returns none, or `top_logprobs: 0`), only the exact match of the
 generated text is reported; the token-based cells are invalid with the reason. Gate reduced
@@ -103,6 +103,16 @@ class Generation:
     tops: list[dict[str, float] | None] | None  # per token: its alternatives, sampled token included
     error: str | None
 
+    @classmethod
+    def from_receipt(cls, r: Receipt) -> Generation:
+        lps = None if r.logprobs is None else [(t.token, t.logprob, t.top) for t in r.logprobs]
+        return _generation(_key(r.endpoint, r.payload), r.text, r.error, lps)
+
+    @classmethod
+    def from_stored(cls, r: m.Request) -> Generation:
+        lps = None if r.logprobs is None else [(t["token"], t["logprob"], t.get("top") or {}) for t in r.logprobs]
+        return _generation(_key(r.endpoint, r.payload or {}), r.text or "", r.error, lps)
+
 
 class AgreementInstrument:
     name: ClassVar[str] = "agreement"
@@ -140,8 +150,8 @@ class AgreementInstrument:
         cells = [Cell("errors", len(failed), "requests", note=", ".join(failed))]
         if not is_opening_control(ctx):
             reference = load_reference(ctx, self.name)
-            here = [_from_receipt(r) for r in receipts]
-            control = None if reference.problem else [_from_stored(r) for r in reference.requests]
+            here = [Generation.from_receipt(r) for r in receipts]
+            control = None if reference.problem else [Generation.from_stored(r) for r in reference.requests]
             cells += compare(control, here, [pid for pid, _ in prompts],
                              reference.problem or f"against the opening control, boot {reference.boot_id}",
                              params.top_logprobs)
@@ -172,16 +182,6 @@ def _generation(key: str, text: str, error: str | None, logprobs: Sequence[tuple
         return Generation(key, text, None, None, error)
     tops = [{**top, token: logprob} if top else None for token, logprob, top in logprobs]
     return Generation(key, text, [token for token, _, _ in logprobs], tops, error)
-
-
-def _from_receipt(r: Receipt) -> Generation:
-    lps = None if r.logprobs is None else [(t.token, t.logprob, t.top) for t in r.logprobs]
-    return _generation(_key(r.endpoint, r.payload), r.text, r.error, lps)
-
-
-def _from_stored(r: m.Request) -> Generation:
-    lps = None if r.logprobs is None else [(t["token"], t["logprob"], t.get("top") or {}) for t in r.logprobs]
-    return _generation(_key(r.endpoint, r.payload or {}), r.text or "", r.error, lps)
 
 
 def topk_kl(p_top: Mapping[str, float], q_top: Mapping[str, float]) -> float:
