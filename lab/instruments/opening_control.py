@@ -29,8 +29,9 @@ class Reference:
 
 
 def is_opening_control(ctx: BootContext) -> bool:
-    """Whether this boot is the reference itself: a control with no warm control before it."""
-    return ctx.role == "control" and not ctx.control_boot_ids
+    """Whether this boot is the reference itself. A closing control whose opening control failed
+    is not: it is reported as having nothing to compare with."""
+    return ctx.role == "control" and ctx.position == "open"
 
 
 def load_reference(ctx: BootContext, instrument: str) -> Reference:

@@ -136,24 +136,24 @@ def test_without_logprobs_only_the_text_is_compared(agreement_window: Store) -> 
 @pytest.mark.slow
 def test_a_reference_that_is_missing_is_named(agreement_window: Store) -> None:
     ctx = _ctx(AgreementParams(), "http://127.0.0.1:9/v1", role="arm", controls=[boots(agreement_window)["open"]],
-               store=agreement_window)
+               store=agreement_window, position="arm")
     assert load_reference(ctx, "agreement").problem is None
     problem = load_reference(ctx, "needle").problem
     assert problem is not None and "stored no needle step" in problem
 
 
 def _ctx(params: AgreementParams, api_base: str, role: str = "control", controls: list[int] | None = None,
-         store: Store | None = None) -> BootContext:
+         store: Store | None = None, position: str = "open") -> BootContext:
     return BootContext(base_url=api_base.removesuffix("/v1"), api_base=api_base, model="smollm2-135m", api_key=None,
                        run_id=1, run_name="t", slot_id=1, boot_id=99, arm="A1", window="W1",
-                       role=role, position="open" if role == "control" else "arm",  # type: ignore[arg-type]
+                       role=role, position=position,  # type: ignore[arg-type]
                        salt="s", engine_kind="bundled", params=params, store=store,  # type: ignore[arg-type]
                        control_boot_ids=controls or [], mem=None,  # type: ignore[arg-type]
                        log=logging.getLogger("test.agreement"))
 
 
 @pytest.mark.slow
-def test_completions_endpoint_and_an_arm_without_a_window_control(tmp_path: Path) -> None:
+def test_completions_endpoint_and_a_closing_control_without_an_opening_one(tmp_path: Path) -> None:
     params = AgreementParams(prompts=3, max_tokens=8, endpoint="completions", top_logprobs=3)
     no_logprobs = AgreementParams(prompts=3, max_tokens=8, endpoint="completions", top_logprobs=0)
     instrument = AgreementInstrument()
@@ -161,7 +161,7 @@ def test_completions_endpoint_and_an_arm_without_a_window_control(tmp_path: Path
     with engine_server(tmp_path, "--device", "cpu", "--max-model-len", "512",
                        "--kv-cache-memory-bytes", "33554432") as server:
         first = asyncio.run(instrument.run_step(_ctx(params, f"{server.url}/v1"), step))
-        second = asyncio.run(instrument.run_step(_ctx(params, f"{server.url}/v1", role="arm"), step))
+        second = asyncio.run(instrument.run_step(_ctx(params, f"{server.url}/v1", position="close"), step))
         bare = asyncio.run(instrument.run_step(_ctx(no_logprobs, f"{server.url}/v1"), step))
     assert all(r.endpoint == "/v1/completions" and r.payload["logprobs"] == 3 for r in first.receipts)
     ids = ["a", "b", "c"]
@@ -170,7 +170,7 @@ def test_completions_endpoint_and_an_arm_without_a_window_control(tmp_path: Path
     assert found["exact_match_rate"].value == 1.0 and found["mean_kl"].value == 0.0
     generated = sum(r.completion_tokens for r in second.receipts)
     assert generated > 0 and found["mean_kl"].note.startswith(f"{generated} compared positions")
-    # An arm with no warm control before it in its window: every comparison cell says why.
+    # A closing control whose opening control is missing is not a reference: every comparison cell says why.
     invalid = [c for c in second.cells if c.metric != "errors"]
     assert invalid and all(not c.valid and "no warm control of window W1" in c.note for c in invalid)
     assert all(r.logprobs is None and "logprobs" not in r.payload for r in bare.receipts)
