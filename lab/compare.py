@@ -340,8 +340,9 @@ def _qeval_items(store: Store, side: Side) -> tuple[verdicts.SlotCells | None, d
 
 
 def _agreement(a: Side, b: Side) -> list[dict[str, Any]]:
-    """The agreement instrument's figures on each side, each measured against its own window's control."""
-    selectors = {sel for sel in _measured(a) | _measured(b) if sel.instrument == "agreement"}
+    """The agreement instrument's summary figures on each side (not its per-prompt cells), each measured
+    against its own window's control."""
+    selectors = {sel for sel in _measured(a) | _measured(b) if sel.instrument == "agreement" and not sel.where}
     rows = []
     for selector in sorted(selectors, key=lambda sel: sel.label):
         a_medians, _, a_unit = a.samples(selector)

@@ -35,6 +35,8 @@ from lab.store.db import Store
 
 # A failed boot's reason can be a log line; the verdict needs only its gist.
 _REASON_CHARS = 100
+# Units that read worse than the bare number in a sentence ("passed: 1 bool").
+_UNITLESS = ("", "bool", "fraction")
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class GateSpec:
         return f"{self.selector.label} {self.bounds}"
 
     def check(self, value: float, unit: str) -> keep.GateResult:
-        shown = f"{value:.4g}{' ' + unit if unit else ''}"
+        shown = f"{value:.4g}" + ("" if unit in _UNITLESS else f" {unit}")
         if self.min is not None and not value >= self.min:
             return keep.GateResult(False, f"{shown} is below the minimum {self.min:g}")
         if self.max is not None and not value <= self.max:

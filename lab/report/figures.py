@@ -114,9 +114,10 @@ def legend_outside(ax: Axes, title: str = "boot") -> None:
 
 # --- the figures ---------------------------------------------------------------------------------------------
 
-DECODE_AGGREGATE, DECODE_PER_STREAM, DECODE_X = "aggregate_tok_s", "per_stream_tok_s", "concurrency"
-PREFILL_METRIC, PREFILL_X = "tok_s", "tokens"
-NEEDLE_METRIC, NEEDLE_LENGTH, NEEDLE_DEPTH = "found", "tokens", "depth"
+# The cells each figure reads, as lab/instruments/{decode,prefill,needle,mixed}.py store them.
+DECODE_AGGREGATE, DECODE_PER_STREAM, DECODE_X = "agg_tok_s", "stream_tok_s", "level"
+PREFILL_METRIC, PREFILL_X = "prefill_tok_s", "length"
+NEEDLE_METRIC, NEEDLE_LENGTH, NEEDLE_DEPTH = "found", "length", "depth"
 MIXED_ALONE, MIXED_BEHIND = "short_ttft_alone_s", "short_ttft_behind_s"
 
 
@@ -267,6 +268,9 @@ def boot_timeline(boots: pd.DataFrame, steps: pd.DataFrame) -> Figure | str:
     boots = boots.sort_values(["idx", "attempt"]).reset_index(drop=True)
     origin = boots["started_at"].min()
     seconds: Callable[[datetime], float] = lambda t: (t - origin).total_seconds()  # noqa: E731
+    ends = [t for t in (boots["stopped_at"].max(), steps["finished_at"].max() if not steps.empty else None)
+            if t is not None and not pd.isna(t)]
+    span = max([seconds(t) for t in ends] + [1.0])
     figure = new_figure(11.0, 1.2 + 0.42 * len(boots))
     ax = figure.subplots()
     labels = []
@@ -283,8 +287,13 @@ def boot_timeline(boots: pd.DataFrame, steps: pd.DataFrame) -> Figure | str:
         end = max(end_candidates) if end_candidates else start
         ax.barh(i, (ready if ready is not None else end) - start, left=start, color=colour, alpha=0.35,
                 hatch="xx" if boot["cold"] else "", edgecolor=colour, height=0.6)
-        if first is not None and last is not None:
-            ax.barh(i, last - first, left=first, color=colour, alpha=0.95, height=0.6)
+        for instrument, part in own.groupby("instrument", sort=False):
+            begin, finish = seconds(part["started_at"].min()), seconds(part["finished_at"].max())
+            ax.barh(i, finish - begin, left=begin, color=colour, alpha=0.95, height=0.6, edgecolor="white",
+                    linewidth=0.8)
+            # Name the instrument where its segment has room for the word (about 0.75 % of the span a letter).
+            if finish - begin > span * 0.0075 * (len(instrument) + 2):
+                ax.text((begin + finish) / 2, i, instrument, ha="center", va="center", fontsize=7, color="white")
         if ready is not None:
             ax.barh(i, end - (last if last is not None else ready), left=last if last is not None else ready,
                     color=colour, alpha=0.15, height=0.6)
@@ -293,7 +302,7 @@ def boot_timeline(boots: pd.DataFrame, steps: pd.DataFrame) -> Figure | str:
     ax.set_yticks(range(len(boots)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the run's first boot started")
-    ax.set_title("Boot timeline: start → ready (light) → instruments (solid) → stopped (faint)")
+    ax.set_title("Boot timeline: start → ready (light) → each instrument (solid) → stopped (faint)")
     ax.grid(alpha=0.3, axis="x")
     statuses = list(dict.fromkeys(boots["status"]))
     handles = [Patch(color=STATUS_COLOURS.get(s, "#444444"), label=s) for s in statuses]

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from lab.arms.validate import load_ladder
 from lab.compare import CompareError, compare
 from lab.store import models as m
 from lab.store.db import open_store
-from tests.report.conftest import Boot, Quickstart, build_run, lab_cli
+from tests.report.conftest import REPO, Boot, Quickstart, build_run, lab_cli
 
 KEY = "memory.kv_pool_tokens"
 FLOOR = "memory.host_mem_available_floor_gib"
@@ -131,7 +132,9 @@ def test_lab_compare_json_is_the_same_comparison_for_machines(quickstart: Quicks
     done = lab_cli(["compare", "qs:C0ctl", "qs:C2nopc", "--json", "--db", str(quickstart.db)], quickstart.directory)
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
-    assert [row["metric"] for row in data["rows"]] == ["memory.peak_memory_gib", "memory.host_mem_available_floor_gib"]
+    keep = load_ladder(REPO / "ladders" / "quickstart.yaml")[0].keep
+    assert [(row["metric"], row["kind"]) for row in data["rows"]] == (
+        [(ref.metric, "key") for ref in keep.metric_refs()] + [(gate.metric, "gate") for gate in keep.gates])
     row = data["rows"][0]
     assert row["a"] > 0 and row["b"] > 0 and row["delta_pct"] == pytest.approx((row["b"] - row["a"]) / row["a"] * 100)
     assert data["verdicts"]["C2nopc"]["decision"] in ("keep", "reject", "inconclusive")
