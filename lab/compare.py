@@ -159,7 +159,7 @@ def resolve(store: Store, ref: str, latest: int | None = None) -> tuple[int, str
 
 
 def compare(store: Store, a_ref: str, b_ref: str) -> Comparison:
-    latest = store_latest_run(store)
+    latest = _latest_run(store)
     (a_run, a_arm), (b_run, b_arm) = resolve(store, a_ref, latest), resolve(store, b_ref, latest)
     runs = {run_id: verdicts.load(store, run_id) for run_id in (a_run, b_run)}
     for evidence in runs.values():
@@ -191,7 +191,7 @@ def compare(store: Store, a_ref: str, b_ref: str) -> Comparison:
                       notes=notes)
 
 
-def store_latest_run(store: Store) -> int | None:
+def _latest_run(store: Store) -> int | None:
     with store.session() as s:
         return s.scalar(select(func.max(m.Run.id)))
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from sqlalchemy import func, select
+
 from lab import verdicts
 from lab.arms.validate import parse_ladder
 from lab.report import document as doc
 from lab.report import tables
 from lab.report.data import RunData, load
 from lab.report.figures import Drawn, draw_all
+from lab.store import models as m
 from lab.store import reader
 from lab.store.db import Store
 
@@ -20,7 +23,8 @@ log = logging.getLogger("lab.report")
 
 
 def pick_run(store: Store, ref: str | None) -> tuple[int, str]:
-    """(id, name) of the run named by `ref`, or of the latest run; LookupError when there is none or it has no cells."""
+    """(id, name) of the run named by `ref`, or of the latest run; LookupError when there is none or it
+    has no cells."""
     if ref is None:
         runs = reader.list_runs(store)
         if not runs:
@@ -29,8 +33,10 @@ def pick_run(store: Store, ref: str | None) -> tuple[int, str]:
     else:
         run = reader.find_run(store, ref)
         run_id, name = run.id, run.name
-    evidence = verdicts.load(store, run_id)
-    if not any(slot.cells for slot in evidence.slots):
+    with store.session() as s:
+        cells = s.scalar(select(func.count()).select_from(m.Cell).join(m.Slot, m.Cell.slot_id == m.Slot.id)
+                         .where(m.Slot.run_id == run_id))
+    if not cells:
         raise LookupError(f"run {name} has no stored cells yet; `lab ls {name}` shows its boots")
     return run_id, name
 

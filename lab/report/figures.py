@@ -242,8 +242,9 @@ def keep_deltas(verdicts: pd.DataFrame) -> Figure | str:
         colours = [DECISION_COLOURS.get(d, "#999999") for d in part["decision"]]
         ax.axvspan(-threshold, threshold, color="#dddddd", alpha=0.6, lw=0)
         ax.barh(y, values, color=colours, height=0.6)
-        for i, (delta, drift) in enumerate(zip(part["delta"], part["drift"])):
-            text = "no figure" if pd.isna(delta) else f"{delta:+.1f} %"
+        for i, (delta, drift, decision) in enumerate(zip(part["delta"], part["drift"], part["decision"])):
+            # The verdict in words too: colour alone does not reach every reader.
+            text = ("no figure" if pd.isna(delta) else f"{delta:+.1f} %") + f", {decision}"
             if not pd.isna(drift):
                 text += f"  (controls {drift:.1f} % apart)"
             ax.text(0, i, "  " + text, va="center", ha="left", fontsize=8)
