@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -35,7 +36,7 @@ QEVAL_LADDER = """\
       - name: W1
         control: C0ctl
     instruments:
-      qeval: {preset: full, concurrency: 16}
+      qeval: {preset: full, concurrency: 32, max_tokens_scale: 0.5}  # half budgets: the test's time, not the tasks
     """
 
 
@@ -83,7 +84,7 @@ def test_every_shipped_task_is_sent_scored_and_stored_once_per_boot(qeval_two_co
             task, request = tasks[item.task], requests[item.request_id]
             assert request.error is None and request.endpoint == "/v1/chat/completions"
             assert request.payload["messages"] == list(task.messages)
-            assert (request.payload["max_tokens"], request.payload["temperature"]) == (task.max_tokens, 0)
+            assert (request.payload["max_tokens"], request.payload["temperature"]) == (math.ceil(task.max_tokens / 2), 0)
             assert (item.category, item.scorer, item.expected) == (task.category, task.scorer["type"], task.reference)
             assert item.output == request.text
             # The stored verdict is the scorer's on the stored answer.
