@@ -22,6 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import NullLocator
 
 from lab.report.data import RunData
 
@@ -147,6 +148,10 @@ def prefill(cells: pd.DataFrame, styles: dict[str, SlotStyle]) -> Figure | str:
     ax = figure.subplots()
     line_per_slot(ax, cells, PREFILL_METRIC, PREFILL_X, styles)
     ax.set_xscale("log", base=2)
+    # Ticks at the measured lengths, written out: "2^9" makes a reader compute.
+    lengths = sorted(cells.loc[cells["metric"] == PREFILL_METRIC, PREFILL_X].dropna().unique())
+    ax.set_xticks([float(v) for v in lengths], [f"{int(v):,}" for v in lengths])
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("prompt length (tokens, log scale)")
     ax.set_ylabel(f"prefill throughput ({unit_of(cells, PREFILL_METRIC, 'tok/s')})")
     ax.set_title("Cold prefill: prompt tokens / time to first token (median of repeats; controls dashed)")
@@ -233,7 +238,7 @@ def keep_deltas(verdicts: pd.DataFrame) -> Figure | str:
     metrics = list(dict.fromkeys(frame["metric"]))
     arms = list(dict.fromkeys(frame["arm"]))
     threshold = float(verdicts.iloc[0]["detail"].get("threshold_pct", 2.0))
-    figure = new_figure(10.0, 1.0 + 0.45 * len(arms) * len(metrics) + 0.4 * len(metrics))
+    figure = new_figure(10.0, 1.4 + 0.45 * len(arms) * len(metrics) + 0.7 * len(metrics))
     axes = np.atleast_1d(figure.subplots(len(metrics), 1, squeeze=False)).ravel()
     for ax, metric in zip(axes, metrics):
         part = frame[frame["metric"] == metric].set_index("arm").reindex(arms)
@@ -257,7 +262,7 @@ def keep_deltas(verdicts: pd.DataFrame) -> Figure | str:
         ax.set_xlabel("improvement against the window's controls (%, in the metric's good direction)", fontsize=8)
     handles = [Patch(color=c, label=d) for d, c in DECISION_COLOURS.items()]
     handles.append(Patch(color="#dddddd", label=f"within ±{threshold:g} % (the KEEP threshold)"))
-    axes[0].legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.08), ncol=4, fontsize=8, frameon=False)
+    figure.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
     figure.suptitle("KEEP: each arm against its window's controls")
     return figure
 
