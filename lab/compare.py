@@ -399,11 +399,13 @@ def print_comparison(console: Console, c: Comparison) -> None:
         if "note" in qeval:
             console.print(f"qeval: {qeval['note']}")
         else:
-            console.print(f"qeval, paired by task ({qeval['a_boot']} → {qeval['b_boot']}): {qeval['n']} tasks, "
-                          f"A passed {qeval['a_passed']}, B passed {qeval['b_passed']}; both pass "
-                          f"{qeval['both_pass']}, both fail {qeval['both_fail']}, [red]broke {qeval['broke']}[/], "
-                          f"[green]fixed {qeval['fixed']}[/], exact McNemar p={qeval['mcnemar_p']:.3g}",
-                          highlight=False)
+            table = Table(f"qeval, {qeval['n']} tasks paired", f"B {escape(qeval['b_boot'])} passed",
+                          "B failed", title_justify="left")
+            table.add_row(f"A {escape(qeval['a_boot'])} passed", str(qeval["both_pass"]),
+                          f"[red]{qeval['broke']} broke[/]")
+            table.add_row("A failed", f"[green]{qeval['fixed']} fixed[/]", str(qeval["both_fail"]))
+            console.print(table)
+            console.print(f"exact McNemar p={qeval['mcnemar_p']:.3g} (broke vs fixed)", highlight=False)
             for label in ("broke", "fixed"):
                 if qeval[f"{label}_tasks"]:
                     console.print(f"  {label}: {', '.join(qeval[f'{label}_tasks'])}", highlight=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,12 @@ def test_lab_compare_prints_the_table_and_the_stored_verdict(quickstart: Quickst
     assert f"KEEP C1mnbt256: {decision} against C0ctl (window W1)" in out
     assert f"· {reasons[0]}" in out
     assert "KEEP C0ctl: not judged (a control: the reference of its window)" in out
+    measured = {name for name, _ in load_ladder(REPO / "ladders" / "quickstart.yaml")[0].instruments.sections()}
+    if "qeval" in measured:
+        assert re.search(r"qeval, \d+ tasks paired .* B C1mnbt256 passed .* B failed", out)
+        assert re.search(r"A C0ctl/open passed .* \d+ broke", out) and "exact McNemar p=" in out
+    if "agreement" in measured:
+        assert "agreement (each against its window's control)" in out and "agreement.exact_match_rate" in out
 
 
 @pytest.mark.slow
