@@ -8,11 +8,19 @@ from __future__ import annotations
 
 from lab.instruments.agreement import AgreementInstrument
 from lab.instruments.base import Instrument
+from lab.instruments.decode import DecodeInstrument
 from lab.instruments.memory import MemoryInstrument
+from lab.instruments.mixed import MixedInstrument
+from lab.instruments.needle import NeedleInstrument
+from lab.instruments.prefill import PrefillInstrument
 from lab.instruments.qeval import QevalInstrument
 
 REGISTRY: dict[str, type[Instrument]] = {
     QevalInstrument.name: QevalInstrument,
     AgreementInstrument.name: AgreementInstrument,
+    PrefillInstrument.name: PrefillInstrument,
+    NeedleInstrument.name: NeedleInstrument,
+    DecodeInstrument.name: DecodeInstrument,
+    MixedInstrument.name: MixedInstrument,
     MemoryInstrument.name: MemoryInstrument,
 }

@@ -1,0 +1,179 @@
+"""The decode ladder C1...Cn: C concurrent greedy streams of a fixed length, one level per step.
+
+A level sends C x ceil(categories / C) chat requests, so every category is asked at every level
+and every wave is full: request i is category i mod 8. Each has its own salt at the start of its
+system message, T=0, a fixed `max_tokens`, and `ignore_eos` when the engine accepts it (a probe
+request with it is sent first; a 400 means it is refused). The client keeps exactly C requests in
+flight while any are waiting.
+
+Per level (params `{level}`, repeat = run): `agg_tok_s`, every completion token of the level
+(from `usage`) over the wall span from the first request handed over to the last response's end;
+`stream_tok_s`, the mean over streams of (completion tokens - 1) / (last token - first token);
+`ttft_s`, the median time to first token. C1 runs twice, so its cells have repeats 0 and 1: the
+KEEP rule's median of two repeats is their mean. Per category: `category_stream_tok_s` with
+params `{level, category}`. Where the engine's `/metrics` counts speculative decoding (vLLM's
+`spec_decode_num_accepted_tokens` and friends), the counters' change over the level gives
+`spec_acceptance` and `spec_tokens_per_step`; otherwise those cells are not written.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, Field, conint, field_validator
+
+from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.client import StreamingClient
+from lab.instruments.decode_prompts import CATEGORIES
+from lab.instruments.engine_extras import EngineExtras
+from lab.instruments.presets import PresetParams
+from lab.instruments.prompts import chat_messages, request_salt
+from lab.instruments.receipt import Receipt
+from lab.instruments.receipt_checks import failure
+
+C1_RUNS = 2
+MAX_LEVEL = 256  # the streaming client's connection pool
+# vLLM's counter names without the `vllm:` prefix and `_total` suffix.
+SPEC_COUNTERS = {"accepted": "spec_decode_num_accepted_tokens", "drafted": "spec_decode_num_draft_tokens",
+                 "drafts": "spec_decode_num_drafts"}
+
+
+class DecodeParams(PresetParams):
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "gpu": {"levels": list(range(1, 17)), "max_tokens": 256},
+    }
+
+    levels: list[conint(ge=1, le=MAX_LEVEL)] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: [1, 2, 4], min_length=1, description="concurrent streams per level")
+    max_tokens: conint(ge=2) = Field(  # type: ignore[valid-type]
+        16, description="tokens every stream generates (ignore_eos where accepted)")
+
+    @field_validator("levels")
+    @classmethod
+    def _distinct(cls, levels: list[int]) -> list[int]:
+        if len(set(levels)) != len(levels):
+            raise ValueError("a level is listed twice")
+        return levels
+
+
+class DecodeInstrument:
+    name: ClassVar[str] = "decode"
+    Params: ClassVar[type[BaseModel]] = DecodeParams
+
+    def metrics(self, params: BaseModel) -> dict[str, Better]:
+        return {"agg_tok_s": "higher", "stream_tok_s": "higher", "ttft_s": "lower", "category_stream_tok_s": "higher",
+                "spec_acceptance": "higher", "spec_tokens_per_step": "higher"}
+
+    def plan(self, params: BaseModel) -> list[Step]:
+        assert isinstance(params, DecodeParams)
+        return [Step(f"C{c}", {"level": c}) for c in params.levels]
+
+    async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
+        params = ctx.params
+        assert isinstance(params, DecodeParams)
+        level: int = step.params["level"]
+        result = StepResult()
+        async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
+                                                                 max_connections=level) as client:
+            probe = await client.request({"model": ctx.model, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+                                          "messages": chat_messages(request_salt(ctx.salt, self.name, level), "Hi")})
+            result.receipts.append(probe)
+            ignore_eos = probe.status != 400
+            for run in range(C1_RUNS if level == 1 else 1):
+                payloads = self._payloads(ctx, params, level, run, ignore_eos)
+                before = spec_counters(await extras.metrics_text())
+                first = len(result.receipts)
+                result.receipts += await client.run_all(payloads, level)
+                after = spec_counters(await extras.metrics_text())
+                result.cells += _level_cells(level, run, result.receipts, first, params.max_tokens, ignore_eos)
+                result.cells += spec_cells(level, run, before, after)
+        return result
+
+    def _payloads(self, ctx: BootContext, params: DecodeParams, level: int, run: int,
+                  ignore_eos: bool) -> list[dict[str, Any]]:
+        names = list(CATEGORIES)
+        payloads = []
+        for i in range(level * math.ceil(len(names) / level)):
+            prompts = CATEGORIES[names[i % len(names)]]
+            salt = request_salt(ctx.salt, self.name, level, run, i)
+            payload: dict[str, Any] = {
+                "model": ctx.model, "max_tokens": params.max_tokens, "temperature": 0,
+                "messages": chat_messages(salt, prompts[i // len(names) % len(prompts)])}
+            if ignore_eos:
+                payload["ignore_eos"] = True
+            payloads.append(payload)
+        return payloads
+
+
+def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_tokens: int,
+                 ignore_eos: bool) -> list[Cell]:
+    """The level's and its categories' cells from the receipts `receipts[first:]`."""
+    names = list(CATEGORIES)
+    indexes = list(range(first, len(receipts)))
+    level_params = {"level": level}
+    failed = [(i, why) for i in indexes if (why := failure(receipts[i])) is not None]
+    by_category: dict[str, list[int]] = defaultdict(list)
+    for n, i in enumerate(indexes):
+        by_category[names[n % len(names)]].append(i)
+    cells = []
+    for category, members in by_category.items():
+        rates = [r for i in members if (r := receipts[i].decode_tokens_per_s) is not None]
+        why = next((w for i, w in failed if i in members), None) or (
+            None if len(rates) == len(members) else "a stream gave no per-token timing")
+        cells.append(Cell("category_stream_tok_s", statistics.fmean(rates) if why is None else None, "tok/s",
+                          {**level_params, "category": category}, run, valid=why is None, note=why or "",
+                          requests=members))
+    if failed:
+        why = f"{len(failed)} of {len(indexes)} requests failed, first: {failed[0][1]}"
+        return cells + [Cell(metric, None, unit, level_params, run, valid=False, note=why, requests=indexes)
+                        for metric, unit in (("agg_tok_s", "tok/s"), ("stream_tok_s", "tok/s"), ("ttft_s", "s"))]
+    mine = [receipts[i] for i in indexes]
+    short = sum(r.completion_tokens != max_tokens for r in mine)
+    note = f"{len(mine)} streams of {max_tokens} tokens" + ("" if ignore_eos else "; ignore_eos refused by the engine")
+    if short:
+        note += f"; {short} streams did not produce exactly max_tokens"
+    span_ns = max(r.t_done_ns or 0 for r in mine) - min(r.t_queued_ns for r in mine)
+    agg = sum(r.completion_tokens for r in mine) * 1e9 / span_ns
+    stream_rates = [r.decode_tokens_per_s for r in mine]
+    stream = None if None in stream_rates else statistics.fmean(x for x in stream_rates if x is not None)
+    ttft = statistics.median((r.ttft_ns or 0) / 1e9 for r in mine)
+    return cells + [
+        Cell("agg_tok_s", agg, "tok/s", level_params, run, note=note, requests=indexes),
+        Cell("stream_tok_s", stream, "tok/s", level_params, run, valid=stream is not None,
+             note=note if stream is not None else "a stream gave no per-token timing", requests=indexes),
+        Cell("ttft_s", ttft, "s", level_params, run, note=note, requests=indexes),
+    ]
+
+
+def spec_counters(metrics: str | None) -> dict[str, float]:
+    """Totals of vLLM's speculative-decoding counters in a Prometheus exposition, summed over
+    label sets; empty when the engine exposes none."""
+    totals: dict[str, float] = {}
+    for line in (metrics or "").splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        base = series.split("{", 1)[0].rpartition(":")[2].removesuffix("_total")
+        for key, counter in SPEC_COUNTERS.items():
+            if base == counter:
+                try:
+                    totals[key] = totals.get(key, 0.0) + float(value)
+                except ValueError:
+                    continue
+    return totals
+
+
+def spec_cells(level: int, run: int, before: dict[str, float], after: dict[str, float]) -> list[Cell]:
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    drafted, accepted = delta.get("drafted", 0.0), delta.get("accepted")
+    if accepted is None or drafted <= 0:
+        return []
+    note = f"{accepted:g} of {drafted:g} drafted tokens accepted"
+    cells = [Cell("spec_acceptance", accepted / drafted, "fraction", {"level": level}, run, note=note, requests=[])]
+    if delta.get("drafts", 0.0) > 0:
+        cells.append(Cell("spec_tokens_per_step", 1 + accepted / delta["drafts"], "tokens", {"level": level}, run,
+                          note=f"{note} over {delta['drafts']:g} drafts", requests=[]))
+    return cells

@@ -1,0 +1,83 @@
+"""The optional endpoints an engine may offer beside the OpenAI API: `/tokenize`, its context
+length, `/reset_prefix_cache` and `/metrics`.
+
+Each one is optional. An engine that lacks one answers 404 (or 405, 501, or a 400 for a body it
+does not understand) and the caller gets None and falls back. A refused or dropped connection is
+not a missing endpoint but an engine that is gone, so it raises: the runner records the step as
+an error.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from lab.instruments.base import BootContext
+
+
+class EngineExtras:
+    """One boot's optional endpoints. Use as `async with EngineExtras(ctx) as extras:`."""
+
+    def __init__(self, ctx: BootContext, timeout: float = 600.0) -> None:
+        self._ctx = ctx
+        headers = {"Authorization": f"Bearer {ctx.api_key}"} if ctx.api_key else {}
+        self._http = httpx.AsyncClient(timeout=timeout, headers=headers, trust_env=False)
+        self._max_model_len: int | None = None
+        self._max_model_len_asked = False
+
+    async def __aenter__(self) -> EngineExtras:
+        await self._http.__aenter__()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._http.__aexit__(exc_type, exc, tb)
+
+    async def tokenize(self, *, prompt: str | None = None,
+                       messages: list[dict[str, str]] | None = None) -> list[int] | None:
+        """The token ids the engine makes of a completion prompt, or of chat messages rendered
+        through its template with the generation prompt; None when it cannot say."""
+        body: dict[str, Any] = {"model": self._ctx.model}
+        if messages is not None:
+            body.update(messages=messages, add_generation_prompt=True)
+        else:
+            body["prompt"] = prompt
+        answer = await self._json("POST", f"{self._ctx.base_url}/tokenize", body)
+        if not isinstance(answer, dict) or not isinstance(answer.get("tokens"), list):
+            return None
+        if isinstance(answer.get("max_model_len"), int):
+            self._max_model_len = answer["max_model_len"]
+        return [int(t) for t in answer["tokens"]]
+
+    async def max_model_len(self) -> int | None:
+        """The longest prompt plus output the engine serves, from `/tokenize` or `/v1/models`."""
+        if self._max_model_len is None and not self._max_model_len_asked:
+            self._max_model_len_asked = True
+            listing = await self._json("GET", f"{self._ctx.api_base}/models")
+            models = listing.get("data") if isinstance(listing, dict) else None
+            for model in models if isinstance(models, list) else []:
+                if isinstance(model, dict) and model.get("id") == self._ctx.model \
+                        and isinstance(model.get("max_model_len"), int):
+                    self._max_model_len = model["max_model_len"]
+        return self._max_model_len
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the engine's cached prefixes; False when it has no such endpoint."""
+        response = await self._http.post(f"{self._ctx.base_url}/reset_prefix_cache")
+        return response.status_code == 200
+
+    async def metrics_text(self) -> str | None:
+        """The Prometheus exposition at `/metrics`, or None."""
+        response = await self._http.get(f"{self._ctx.base_url}/metrics")
+        return response.text if response.status_code == 200 else None
+
+    async def _json(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+        response = await self._http.request(method, url, json=body)
+        if response.status_code != 200:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return None

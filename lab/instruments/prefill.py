@@ -1,0 +1,125 @@
+"""Cold prefill throughput: prompt tokens / time to first token, one length per step.
+
+Each repeat is a fresh prompt: its own salt at the start, its own filler, sized through
+`/tokenize` to exactly the target length, sent to `/v1/completions` with `max_tokens: 1` and
+streamed so the first token's arrival is real. The prefix cache is reset first where the engine
+offers it. A repeat is invalid when any of its prompt tokens came from the cache, when
+`usage.prompt_tokens` differs from the count `/tokenize` gave, or when it failed.
+
+Cells, all with params `{length}`: `prefill_tok_s` and `ttft_s` for each repeat (repeat = rep),
+and `prefill_tok_s_median` over the valid repeats. The KEEP rule's median of repeats of
+`prefill_tok_s` is that same median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, Field, conint, field_validator
+
+from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.client import StreamingClient
+from lab.instruments.engine_extras import EngineExtras
+from lab.instruments.presets import PresetParams
+from lab.instruments.prompts import PromptTooShort, filler_words, fit_prompt, request_salt, salt_line
+from lab.instruments.receipt_checks import cache_note, prefill_problem, prefill_tok_s
+
+# Below this a prompt is mostly its salt.
+MIN_LENGTH = 32
+
+
+class PrefillParams(PresetParams):
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "gpu": {"lengths": [2000, 8000, 32000, 64000, 131072, 300000], "reps": 3},
+    }
+
+    lengths: list[conint(ge=MIN_LENGTH)] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: [256, 1024], min_length=1, description="prompt lengths in tokens")
+    reps: conint(ge=1) = Field(  # type: ignore[valid-type]
+        2, description="cold repeats per length; the median is reported")
+
+    @field_validator("lengths")
+    @classmethod
+    def _distinct(cls, lengths: list[int]) -> list[int]:
+        if len(set(lengths)) != len(lengths):
+            raise ValueError("a length is listed twice")
+        return lengths
+
+
+class PrefillInstrument:
+    name: ClassVar[str] = "prefill"
+    Params: ClassVar[type[BaseModel]] = PrefillParams
+
+    def metrics(self, params: BaseModel) -> dict[str, Better]:
+        return {"prefill_tok_s": "higher", "prefill_tok_s_median": "higher", "ttft_s": "lower"}
+
+    def plan(self, params: BaseModel) -> list[Step]:
+        assert isinstance(params, PrefillParams)
+        return [Step(f"length={n}", {"length": n}) for n in params.lengths]
+
+    async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
+        params = ctx.params
+        assert isinstance(params, PrefillParams)
+        length: int = step.params["length"]
+        cell_params = {"length": length}
+        result = StepResult()
+        rates: list[tuple[float, int]] = []  # (tok/s, receipt index) of the valid repeats
+        async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
+                                                                 max_connections=1) as client:
+            limit = await extras.max_model_len()
+            for rep in range(params.reps):
+                rate = await self._one_shot(ctx, extras, client, length, rep, limit, result)
+                if rate is not None:
+                    rates.append((rate, len(result.receipts) - 1))
+        if rates:
+            median = statistics.median(rate for rate, _ in rates)
+            result.cells.append(Cell("prefill_tok_s_median", median, "tok/s", cell_params,
+                                     note=f"median of {len(rates)} valid of {params.reps} repeats",
+                                     requests=[i for _, i in rates]))
+        else:
+            result.cells.append(Cell("prefill_tok_s_median", None, "tok/s", cell_params, valid=False,
+                                     note=f"none of {params.reps} repeats is valid", requests=[]))
+        return result
+
+    async def _one_shot(self, ctx: BootContext, extras: EngineExtras, client: StreamingClient, length: int,
+                        rep: int, limit: int | None, result: StepResult) -> float | None:
+        """Send one cold prompt, adding its receipt and cells to `result`; its tok/s when valid."""
+        cell_params = {"length": length}
+
+        def invalid(why: str, requests: list[int]) -> None:
+            ctx.log.warning("prefill length %d rep %d invalid: %s", length, rep, why)
+            for metric, unit in (("prefill_tok_s", "tok/s"), ("ttft_s", "s")):
+                result.cells.append(Cell(metric, None, unit, cell_params, rep, valid=False, note=why,
+                                         requests=requests))
+
+        if limit is not None and length + 1 > limit:
+            return invalid(f"{length} prompt tokens + 1 output token exceed the engine's context of {limit}", [])
+        salt = request_salt(ctx.salt, self.name, length, rep)
+        words = filler_words(salt, length)
+
+        def render(k: int, tail: str) -> str:
+            return f"{salt_line(salt)} {' '.join(words[:k])}{tail}"
+
+        try:
+            fitted = await fit_prompt(extras, length, render, len(words))
+        except PromptTooShort as exc:
+            return invalid(str(exc), [])
+        if fitted.exact and fitted.tokens != length:
+            return invalid(f"no prompt of exactly {length} tokens was found (closest: {fitted.tokens})", [])
+        await extras.reset_prefix_cache()
+        receipt = await client.request({"model": ctx.model, "prompt": fitted.form, "max_tokens": 1,
+                                        "temperature": 0})
+        result.receipts.append(receipt)
+        index = len(result.receipts) - 1
+        problem = prefill_problem(receipt, length if fitted.exact else None)
+        if problem is not None:
+            return invalid(problem, [index])
+        note = cache_note(receipt)
+        if not fitted.exact:
+            note += "; no /tokenize, so the length is an estimate"
+        rate = prefill_tok_s(receipt)
+        assert receipt.ttft_ns is not None
+        result.cells += [Cell("prefill_tok_s", rate, "tok/s", cell_params, rep, note=note, requests=[index]),
+                         Cell("ttft_s", receipt.ttft_ns / 1e9, "s", cell_params, rep, note=note, requests=[index])]
+        return rate
