@@ -1,0 +1,83 @@
+"""decode on the real engine: aggregate throughput rises with concurrency, C1 runs twice, every
+category is measured at every level, and speculative counters are read when an engine has them."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from lab.instruments.decode import DecodeInstrument, DecodeParams, spec_cells, spec_counters
+from lab.instruments.decode_prompts import CATEGORIES
+from tests.instruments.speed_boot import bench, dead_url  # noqa: F401 - bench is a fixture
+
+MAX_TOKENS = 12
+
+
+@pytest.mark.slow
+def test_aggregate_rises_from_c1_to_c4_with_every_category_at_every_level(bench) -> None:
+    stored = bench.measure(DecodeInstrument(), {"levels": [1, 4], "max_tokens": MAX_TOKENS}, salt="decode-a")
+    assert [(s.key, s.status) for s in stored.steps] == [("C1", "ok"), ("C4", "ok")]
+    c1 = [stored.cell("agg_tok_s", run, level=1) for run in (0, 1)]  # C1 twice: the KEEP median is their mean
+    c4 = stored.cell("agg_tok_s", level=4)
+    assert [c.repeat for c in stored.of("agg_tok_s")] == [0, 1, 0]
+    assert all(c.valid for c in stored.cells), [c.note for c in stored.cells if not c.valid]
+    assert c4.value > statistics.fmean(c.value for c in c1)
+
+    for cell in (*c1, c4):
+        requests = stored.requests_of(cell)
+        assert len(requests) == 8 and len(set(r.payload["messages"][0]["content"] for r in requests)) == 8
+        assert all(r.payload["temperature"] == 0 and r.payload["ignore_eos"] is True for r in requests)
+        assert all(r.completion_tokens == MAX_TOKENS and r.cached_tokens == 0 for r in requests)
+        span = max(r.t_done_ns for r in requests) - min(r.t_queued_ns for r in requests)
+        assert cell.value == pytest.approx(8 * MAX_TOKENS * 1e9 / span)
+        level, run = cell.params["level"], cell.repeat
+        streams = [(r.completion_tokens - 1) * 1e9 / (r.t_last_ns - r.t_first_ns) for r in requests]
+        assert stored.cell("stream_tok_s", run, level=level).value == pytest.approx(statistics.fmean(streams))
+        ttft = statistics.median((r.t_first_ns - r.t_sent_ns) / 1e9 for r in requests)
+        assert stored.cell("ttft_s", run, level=level).value == pytest.approx(ttft)
+        categories = {c.params["category"] for c in stored.of("category_stream_tok_s")
+                      if c.params["level"] == level and c.repeat == run}
+        assert categories == set(CATEGORIES)
+    # at C4 the client keeps four requests in flight: the fifth waits for a free slot, and says so
+    waves = stored.requests_of(c4)
+    assert max(r.t_sent_ns - r.t_queued_ns for r in waves[4:]) > 0.1e9
+    assert stored.of("spec_acceptance") == []  # the bundled engine does not speculate
+
+
+@pytest.mark.slow
+def test_a_dead_engine_is_a_step_error(bench) -> None:
+    stored = bench.measure(DecodeInstrument(), {"levels": [2]}, salt="decode-dead", base_url=dead_url())
+    (step,) = stored.steps
+    assert step.status == "error" and "Connect" in step.error
+
+
+def test_speculative_counters_are_summed_over_label_sets() -> None:
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_accepted_tokens_total Accepted.",
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 300.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 100.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 90.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0"} 500.0',
+        "vllm:spec_decode_num_drafts_total 100",
+        "vllm:num_requests_running 3",
+    ])
+    assert spec_counters(text) == {"accepted": 400.0, "drafted": 500.0, "drafts": 100.0}
+    assert spec_counters("lab:generation_tokens_total 12") == {} and spec_counters(None) == {}
+
+
+def test_speculative_acceptance_is_the_change_over_the_level() -> None:
+    before = {"accepted": 1000.0, "drafted": 2000.0, "drafts": 400.0}
+    after = {"accepted": 1300.0, "drafted": 2400.0, "drafts": 480.0}
+    acceptance, per_step = spec_cells(4, 0, before, after)
+    assert (acceptance.metric, acceptance.value, acceptance.params) == ("spec_acceptance", 0.75, {"level": 4})
+    assert (per_step.metric, per_step.value) == ("spec_tokens_per_step", 1 + 300 / 80)
+    assert spec_cells(4, 0, {}, {}) == [] and spec_cells(4, 0, before, before) == []
+
+
+def test_levels_up_to_c16_on_a_gpu_and_refused_values() -> None:
+    assert DecodeParams(preset="gpu").levels == list(range(1, 17))
+    with pytest.raises(ValueError, match="listed twice"):
+        DecodeParams(levels=[1, 2, 2])
+    with pytest.raises(ValueError, match="greater than or equal to 2"):
+        DecodeParams(max_tokens=1)
