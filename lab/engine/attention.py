@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from lab.engine.attention_metadata import AttentionMetadata
 
@@ -39,6 +40,35 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> t
     kvh, d = cache.shape[-2:]
     out = cache.view(-1, kvh, d)[slots]
     return out.to(dtype) if out.dtype != dtype else out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     expand_heads: bool = False) -> torch.Tensor:
+    """Attention of the last `len(q)` positions of a `len(k)`-token context, causal and aligned
+    bottom-right (query i sits at position len(k) - len(q) + i). q: [Lq, H, D], k/v: [Lk, KVH, D]
+    in q's dtype. `expand_heads` repeats K/V to every query head, which keeps flash attention
+    eligible on CUDA; the CPU path lets SDPA handle the grouping."""
+    lq, lk = q.shape[0], k.shape[0]
+    if expand_heads and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    qi, ki, vi = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if lq == lk:
+        out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=not expand_heads)
+    else:
+        out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(lq, lk), scale=scale,
+                                             enable_gqa=not expand_heads)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int, dtype: torch.dtype,
+                   scale: float = 1.0) -> torch.Tensor:
+    """The first `context_len` tokens of one sequence's K or V, contiguous: [context_len, KVH, D]."""
+    block_size = cache.shape[1]
+    pos = torch.arange(context_len, device=cache.device)
+    table = block_table[: (context_len + block_size - 1) // block_size].long()
+    out = gather_kv(cache, table[pos // block_size] * block_size + pos % block_size, dtype)
+    return out * scale if scale != 1.0 else out
 
 
 def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,25 +108,15 @@ class TorchAttention:
         for i in range(nd, meta.num_seqs):
             qlen, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
             end = start + qlen
-            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]
             if ctx == qlen:
-                # No cached prefix: attend to this chunk's own K/V, causally.
-                ki = k[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype)
-                vi = v[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                # No cached prefix: attend to this chunk's own K/V, as the cache holds them.
+                ki, vi = k[start:end], v[start:end]
                 if k_cache.dtype in FP8_DTYPES:
-                    # Match what a later read of the cache would see.
-                    ki = ki.to(k_cache.dtype).to(q.dtype)
-                    vi = vi.to(v_cache.dtype).to(q.dtype)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                    ki, vi = ki.to(k_cache.dtype), vi.to(v_cache.dtype)
+                ki, vi = ki.to(q.dtype), vi.to(q.dtype)
             else:
-                pos = torch.arange(ctx, device=q.device)
-                table = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
-                slots = table[pos // block_size] * block_size + pos % block_size
-                ki = gather_kv(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
-                vi = gather_kv(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
-                qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-                mask = pos[None, :] <= qpos[:, None]
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[start:end] = oi.squeeze(0).transpose(0, 1)
+                ki = gather_context(k_cache, meta.block_tables[i], ctx, q.dtype)
+                vi = gather_context(v_cache, meta.block_tables[i], ctx, q.dtype)
+            out[start:end] = causal_attention(q[start:end], ki, vi, scale)
             start = end
         return out

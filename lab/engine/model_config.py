@@ -31,7 +31,8 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, f, q, kv = self.hidden_size, self.intermediate_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv

@@ -174,6 +174,10 @@ class ModelRunner:
         result = StepResult()
         if logits is None:
             return result
+        if not any(s.seq.wants_prompt_logprobs for s in scheduled):
+            # The usual step: one logits row per sequence that samples, already in order.
+            return self._sample(scheduled if len(logits) == len(scheduled) else
+                                [s for s in scheduled if s.samples], logits, result)
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSeq] = []
         row = 0
@@ -192,7 +196,9 @@ class ModelRunner:
                 row += 1
         if not sample_seqs:
             return result
-        rows = logits[sample_rows]
+        return self._sample(sample_seqs, logits[sample_rows], result)
+
+    def _sample(self, sample_seqs: list[ScheduledSeq], rows: torch.Tensor, result: StepResult) -> StepResult:
         params = [s.seq.params for s in sample_seqs]
         tokens = sampler.sample(rows, params, [s.seq.generator for s in sample_seqs])
         want = [p.logprobs for p in params]

@@ -111,7 +111,7 @@ class OutputProcessor:
             limit = max(state.emitted, limit - (max(len(s) for s in seq.params.stop) - 1))
         new_text = state.text[state.emitted:limit]
         state.emitted = limit
-        new_tokens = seq.output_token_ids[state.emitted_tokens:]
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + state.emitted_tokens:]
         state.emitted_tokens = seq.num_output_tokens
         new_lps = seq.logprobs[state.emitted_logprobs:]
         state.emitted_logprobs = len(seq.logprobs)

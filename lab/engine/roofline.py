@@ -14,7 +14,7 @@ from lab.engine.model_config import ModelConfig
 
 @dataclass
 class Ceilings:
-    copy_bytes_per_s: float  # bytes read + bytes written per second by a large device copy
+    copy_bytes_per_s: float  # memory traffic of a large device copy: bytes read + bytes written, per second
     matmul_flops_per_s: float  # dense matmul rate in the model dtype
     device: str
     dtype: str
@@ -72,8 +72,9 @@ def decode_step_floor_s(config: ModelConfig, weight_element_size: int, kv_elemen
     sequence, `context_tokens` in total) over the copy bandwidth (reads only count once)."""
     kv = config.kv_bytes_per_token(kv_element_size) * context_tokens
     read_bytes = weight_bytes_read_per_step(config, weight_element_size) + kv
-    # A copy moves each byte twice (read + write); a decode step essentially only reads.
-    return read_bytes / (ceilings.copy_bytes_per_s / 2)
+    # The copy ceiling counts every byte that crosses the memory bus (read or written), which is
+    # what a decode step's reads are limited by too.
+    return read_bytes / ceilings.copy_bytes_per_s
 
 
 def prefill_flops(config: ModelConfig, tokens: int) -> float:

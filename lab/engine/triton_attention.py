@@ -4,11 +4,15 @@ the PyTorch reference (`lab.engine.attention.TorchAttention`)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from lab.engine.attention import FP8_DTYPES
+from lab.engine.attention import FP8_DTYPES, causal_attention, gather_context
 from lab.engine.attention_metadata import AttentionMetadata
 from lab.engine.kernels import decode_attention, prefill_attention, write_kv_cache
+
+
+# Up to this many prefill chunks in a step go to flash attention one by one; more (many short
+# prompts, e.g. a burst of chats) go to the paged varlen kernel in a single launch.
+FEW_PREFILLS = 4
 
 
 class TritonAttention:
@@ -38,8 +42,8 @@ class TritonAttention:
                              max_context_len=self._max_decode_context(meta), k_scale=self.k_scale,
                              v_scale=self.v_scale, num_splits=self.num_splits)
         num_prefills = meta.num_seqs - num_decodes
-        if num_prefills and self._all_cold(meta):
-            self._cold_prefills(q, k, v, k_cache.dtype, meta, scale, out)
+        if 0 < num_prefills <= FEW_PREFILLS:
+            self._flash_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
         elif num_prefills:
             # meta.max_query_len is the longest prefill: decodes have query length 1.
             prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
@@ -48,31 +52,24 @@ class TritonAttention:
                               v_scale=self.v_scale)
         return out
 
-    @staticmethod
-    def _all_cold(meta: AttentionMetadata) -> bool:
-        """Every prefill chunk of the step starts at position 0 (no cached prefix)."""
-        nd = meta.num_decodes
-        return all(q == c for q, c in zip(meta.query_lens_cpu[nd:], meta.context_lens_cpu[nd:]))
-
-    @staticmethod
-    def _cold_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype,
-                       meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-        """A chunk with no cached prefix attends only to its own fresh K/V, which are contiguous:
-        PyTorch's flash attention runs that faster than a paged kernel can (it needs no block
-        table and pipelines its loads)."""
+    def _flash_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """A few long chunks: PyTorch's flash attention, fed contiguous K/V (the chunk's own when it
+        has no cached prefix, else gathered from the cache), beats the paged kernel, which cannot
+        pipeline its gathered loads. The gather costs one pass over the context per layer."""
         start = meta.num_decodes
-        group = q.shape[1] // k.shape[1]
-        for qlen in meta.query_lens_cpu[meta.num_decodes:]:
+        for i in range(meta.num_decodes, meta.num_seqs):
+            qlen, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
             end = start + qlen
-            ki, vi = k[start:end], v[start:end]
-            if cache_dtype in FP8_DTYPES:
-                # Attend to what later steps will read back from the cache.
-                ki, vi = ki.to(cache_dtype).to(q.dtype), vi.to(cache_dtype).to(q.dtype)
-            qi = q[start:end].transpose(0, 1).unsqueeze(0)
-            ki = ki.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-            vi = vi.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
-            out[start:end] = oi.squeeze(0).transpose(0, 1)
+            if ctx == qlen:
+                ki, vi = k[start:end], v[start:end]
+                if k_cache.dtype in FP8_DTYPES:
+                    # Attend to what later steps will read back from the cache.
+                    ki, vi = ki.to(k_cache.dtype).to(q.dtype), vi.to(v_cache.dtype).to(q.dtype)
+            else:
+                ki = gather_context(k_cache, meta.block_tables[i], ctx, q.dtype, self.k_scale)
+                vi = gather_context(v_cache, meta.block_tables[i], ctx, q.dtype, self.v_scale)
+            out[start:end] = causal_attention(q[start:end], ki, vi, scale, expand_heads=True)
             start = end
 
     @staticmethod

@@ -3,6 +3,8 @@ against the PyTorch path or transformers on the same (dummy) weights. Skipped wi
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -13,6 +15,14 @@ from lab.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MODEL = "dummy:smollm2-135m"
+KV = 1 << 30  # a fixed pool, so no test depends on an earlier test's engine having been freed
+
+
+@pytest.fixture(autouse=True)
+def _free_the_device():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -34,7 +44,7 @@ def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
 
 
 def test_prompt_logits_match_transformers_fp32() -> None:
-    llm = LLM(MODEL, dtype="float32", device="cuda", cuda_graphs=False)
+    llm = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="float32", device="cuda", cuda_graphs=False)
     mc = llm.engine.model_config
     hf = build_hf_model(mc, load_model(MODEL, torch.float32, "cuda").weights, torch.float32,
                         torch.device("cuda"), "sdpa")
@@ -49,10 +59,11 @@ def test_prompt_logits_match_transformers_fp32() -> None:
 
 def test_cuda_graph_decode_matches_eager() -> None:
     ps = prompts(6, seed=1)  # six rows replay in the size-8 graph: two padding rows
-    eager = LLM(MODEL, dtype="bfloat16", device="cuda", cuda_graphs=False)
+    eager = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", cuda_graphs=False)
     want_lp, want_ids = top_logprobs(eager, ps, 8)
     del eager
-    graphed = LLM(MODEL, dtype="bfloat16", device="cuda", cuda_graphs=True, cuda_graph_max_batch_size=16)
+    graphed = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", cuda_graphs=True,
+                  cuda_graph_max_batch_size=16)
     assert graphed.engine.runner.graphs is not None
     got_lp, got_ids = top_logprobs(graphed, ps, 8)
     for a_seq, b_seq, a_ids, b_ids in zip(want_lp, got_lp, want_ids, got_ids):
@@ -66,10 +77,12 @@ def test_cuda_graph_decode_matches_eager() -> None:
 
 def test_triton_backend_matches_torch_backend_bf16() -> None:
     ps = prompts(5, seed=2)
-    torch_path = LLM(MODEL, dtype="bfloat16", device="cuda", attention_backend="torch", cuda_graphs=False)
+    torch_path = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", attention_backend="torch",
+                     cuda_graphs=False)
     want_lp, want_ids = top_logprobs(torch_path, ps, 6)
     del torch_path
-    triton_path = LLM(MODEL, dtype="bfloat16", device="cuda", attention_backend="triton", cuda_graphs=True)
+    triton_path = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", attention_backend="triton",
+                      cuda_graphs=True)
     got_lp, got_ids = top_logprobs(triton_path, ps, 6)
     for a_seq, b_seq, a_ids, b_ids in zip(want_lp, got_lp, want_ids, got_ids):
         for i, (a, b) in enumerate(zip(a_seq, b_seq)):
@@ -80,10 +93,10 @@ def test_triton_backend_matches_torch_backend_bf16() -> None:
 
 def test_fp8_kv_cache_stays_close() -> None:
     ps = prompts(4, seed=3)
-    bf16 = LLM(MODEL, dtype="bfloat16", device="cuda")
+    bf16 = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda")
     want_lp, _ = top_logprobs(bf16, ps, 4)
     del bf16
-    fp8 = LLM(MODEL, dtype="bfloat16", device="cuda", kv_cache_dtype="fp8")
+    fp8 = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", kv_cache_dtype="fp8")
     assert fp8.engine.runner.kv_dtype == torch.float8_e4m3fn
     got_lp, _ = top_logprobs(fp8, ps, 4)
     for a_seq, b_seq in zip(want_lp, got_lp):
@@ -92,7 +105,8 @@ def test_fp8_kv_cache_stays_close() -> None:
 
 def test_long_prefill_through_chunks_on_paged_kv() -> None:
     """A prompt longer than the step budget is prefilled in chunks over its own cached prefix."""
-    llm = LLM("dummy:llama3-8b", dtype="bfloat16", device="cuda", max_model_len=40000,
+    # 40K tokens of Llama-3-8B KV in bf16 is 5.2 GB: the pool must hold one full-length request.
+    llm = LLM("dummy:llama3-8b", kv_cache_memory_bytes=8 << 30, dtype="bfloat16", device="cuda", max_model_len=40000,
               max_num_batched_tokens=8192, max_num_seqs=8, cuda_graph_max_batch_size=8)
     ids = torch.randint(3, 250, (20000,), generator=torch.Generator().manual_seed(4)).tolist()
     out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
