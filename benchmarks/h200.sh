@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One call on the lent H200 (see reports/BENCHMARKS.md): the GPU tests and `lab engine bench`
-# for dummy:llama3-8b (bf16 KV, then fp8 KV) and dummy:smollm2-135m. Each stage has its own time
+# One call on the lent H200 (see reports/BENCHMARKS.md): `lab engine bench` for dummy:llama3-8b
+# (bf16 KV, then fp8 KV), the GPU tests, and dummy:smollm2-135m. Each stage has its own time
 # limit and writes under $OUT, so one failing stage still leaves the others' figures.
-#   usage (device command, carry .whl): bash benchmarks/h200.sh COMMIT
+#   usage (device command): bash benchmarks/h200.sh COMMIT [STAGE ...]
+#   stages: bf16 fp8 tests smollm2 (default: all four)
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -11,22 +12,29 @@ fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-{ echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv;
+commit=${1:-unknown}
+shift || true
+stages=${*:-bf16 fp8 tests smollm2}
+{ echo "commit $commit"; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv;
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } > "$OUT/env.txt" 2>&1
 big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-batched-tokens 8192
      --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --throughput-tokens 1024)
-timeout 300 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 --concurrency 32 \
-    --repeats 2 --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" > "$OUT/llama3_8b_bf16.txt" 2>&1
-echo "llama3-8b bf16 exit $?" >> "$OUT/env.txt"
-timeout 80 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" --concurrency 32 \
-    --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" > "$OUT/llama3_8b_fp8.txt" 2>&1
-echo "llama3-8b fp8 exit $?" >> "$OUT/env.txt"
-timeout 110 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py > "$OUT/gpu_tests.txt" 2>&1
-echo "gpu tests exit $?" >> "$OUT/env.txt"
-timeout 80 python3 -m lab.engine bench --model dummy:smollm2-135m --dtype bfloat16 --max-model-len 8192 \
-    --max-num-batched-tokens 8192 --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --concurrency 32 \
-    --prefill-lengths 2048,8000 --repeats 2 --throughput 64,256 --throughput-tokens 1024 \
-    --json "$OUT/smollm2_bf16.json" > "$OUT/smollm2_bf16.txt" 2>&1
-echo "smollm2 exit $?" >> "$OUT/env.txt"
-cat "$OUT/env.txt"; tail -n 14 "$OUT/llama3_8b_bf16.txt"; tail -n 8 "$OUT/llama3_8b_fp8.txt"; tail -n 3 "$OUT/gpu_tests.txt"
-tail -n 12 "$OUT/smollm2_bf16.txt"
+for stage in $stages; do
+  case $stage in
+    bf16) timeout 260 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
+            --concurrency 32 --repeats 2 --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" \
+            > "$OUT/llama3_8b_bf16.txt" 2>&1 ;;
+    fp8) timeout 80 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
+            --concurrency 32 --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" \
+            > "$OUT/llama3_8b_fp8.txt" 2>&1 ;;
+    tests) timeout 110 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py \
+            > "$OUT/gpu_tests.txt" 2>&1 ;;
+    smollm2) timeout 80 python3 -m lab.engine bench --model dummy:smollm2-135m --dtype bfloat16 \
+            --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 256 --prompt-tokens 1024 \
+            --decode-tokens 64 --concurrency 32 --prefill-lengths 2048,8000 --repeats 2 --throughput 64,256 \
+            --throughput-tokens 1024 --json "$OUT/smollm2_bf16.json" > "$OUT/smollm2_bf16.txt" 2>&1 ;;
+  esac
+  echo "$stage exit $?" >> "$OUT/env.txt"
+done
+cat "$OUT/env.txt"
+for f in "$OUT"/*.txt; do [ "$f" = "$OUT/env.txt" ] || { echo "== $f"; grep -E "figure:|reference|passed|failed|Error" "$f" | cut -c 60-220; }; done
