@@ -223,8 +223,7 @@ def _rows(a: Side, b: Side, threshold: float) -> list[Row]:
 
 
 def _measured(side: Side) -> set[verdicts.Selector]:
-    return {verdicts.Selector(c.instrument, c.metric, tuple(sorted(c.params.items())))
-            for slot in side.slots for c in slot.cells if c.valid and c.value is not None}
+    return {verdicts.Selector.of(c) for slot in side.slots for c in slot.cells if c.valid and c.value is not None}
 
 
 def _row(a: Side, b: Side, selector: verdicts.Selector, kind: str, gate: verdicts.GateSpec | None,

@@ -54,9 +54,23 @@ class Selector:
             text += "[" + ",".join(f"{k}={v}" for k, v in self.where) + "]"
         return text
 
+    @classmethod
+    def of(cls, cell: StoredCell) -> Selector:
+        """The selector of exactly this cell's instrument, metric and params."""
+        return cls(cell.instrument, cell.metric, tuple(sorted((k, _frozen(v)) for k, v in cell.params.items())))
+
     def matches(self, cell: StoredCell) -> bool:
         return (cell.instrument == self.instrument and cell.metric == self.metric
-                and all(k in cell.params and cell.params[k] == v for k, v in self.where))
+                and all(k in cell.params and _frozen(cell.params[k]) == v for k, v in self.where))
+
+
+def _frozen(value: Any) -> Any:
+    """A params value as something hashable: lists and mappings from JSON become tuples."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from lab.arms.validate import load_ladder
 from lab.compare import CompareError, compare
+from lab.instruments.base import Cell
 from lab.store import models as m
 from lab.store.db import open_store
 from tests.report.conftest import REPO, Boot, Quickstart, build_run, lab_cli
@@ -154,3 +155,29 @@ def test_lab_compare_says_what_went_wrong_and_exits_non_zero(quickstart: Quickst
     assert done.returncode == 1 and "has no arm 'C9'; its arms are C0ctl, C1mnbt256, C2nopc" in done.stderr
     done = lab_cli(["compare", "C0ctl", "C2nopc", "--db", str(tmp_path / "absent.db")], tmp_path)
     assert done.returncode == 1 and "no store at" in done.stderr
+
+
+def test_without_key_metrics_every_shared_metric_is_a_row_and_nothing_is_judged(store) -> None:
+    ladder = """\
+    name: free
+    engine: {kind: bundled, model: smollm2-135m, flags: {device: cpu}}
+    windows:
+      - name: W1
+        control: C0ctl
+        arms:
+          - {name: A1, flags: {max-num-seqs: 4}}
+    instruments:
+      memory:
+    """
+    def pools(value: float) -> Boot:
+        return Boot(values={"memory.kv_pool_tokens": value},
+                    cells={"memory": [Cell("kv_pool_gib", value / 1000, "GiB", params={"sizes": [1, 2]},
+                                           requests=[])]})
+
+    build_run(store, {"C0ctl/open": pools(1000), "A1": pools(1100), "C0ctl/close": pools(1000)}, ladder=ladder)
+    comparison = compare(store, "C0ctl", "A1")
+    assert [(row.metric, row.kind) for row in comparison.rows] == [
+        ("memory.kv_pool_gib[sizes=(1, 2)]", "metric"), ("memory.kv_pool_tokens", "metric")]
+    assert comparison.rows[1].delta_pct == pytest.approx(10.0) and comparison.rows[1].change == "better"
+    assert comparison.verdicts == {"C0ctl": None, "A1": None}
+    assert any("names no key metric" in note for note in comparison.notes)

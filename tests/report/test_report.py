@@ -11,12 +11,15 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 from matplotlib.figure import Figure
+from sqlalchemy import select
 
 from lab.arms.validate import load_ladder
 from lab.instruments.base import Cell
 from lab.report import figures
 from lab.report.build import write_report
 from lab.report.data import load
+from lab.store import models as m
+from lab.store.db import open_store
 from lab.verdicts import judge_run
 from tests.report.conftest import REPO, Boot, Quickstart, build_run, lab_cli
 
@@ -69,7 +72,10 @@ def test_the_html_report_is_self_contained(report: Path) -> None:
 
 @pytest.mark.slow
 def test_the_report_states_verdicts_ladder_and_environment(report: Path, quickstart: Quickstart) -> None:
-    ladder_text = (REPO / "ladders" / "quickstart.yaml").read_text()
+    store = open_store(str(quickstart.db), create=False)
+    with store.session() as s:
+        ladder_text = s.scalar(select(m.Run.ladder_text).where(m.Run.name == quickstart.run))
+    store.close()
     for page in ((report / "index.md").read_text(), (report / "index.html").read_text()):
         assert "C1mnbt256" in page and "C2nopc" in page
         assert "no key metric improves" in page or "(> 2 %)" in page or "inconclusive" in page
