@@ -23,7 +23,7 @@ windows:
       - {name: A1, flags: {seqs: 2}}
       - {name: A2, flags: {seqs: 3}}
 instruments:
-  ping: {steps: 4, delay_s: 0.2}
+  ping: {steps: 4, delay_s: 0.6}  # margin for the kill to land mid-boot on a loaded machine
   memory:
 """
 
