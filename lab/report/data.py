@@ -55,12 +55,10 @@ class RunData:
     qeval: pd.DataFrame  # qeval items + the same slot columns
     verdicts: pd.DataFrame  # + arm, window
 
-    def instrument_cells(self, instrument: str, measured_only: bool = True) -> pd.DataFrame:
-        """Valid cells of one instrument, params expanded into columns; warm finished boots only by default."""
+    def instrument_cells(self, instrument: str) -> pd.DataFrame:
+        """Valid cells of one instrument from warm, finished boots, params expanded into columns."""
         cells = self.cells[(self.cells["instrument"] == instrument) & self.cells["valid"]
-                           & self.cells["value"].notna()]
-        if measured_only:
-            cells = cells[(cells["slot_status"] == "done") & ~cells["cold"]]
+                           & self.cells["value"].notna() & (self.cells["slot_status"] == "done") & ~self.cells["cold"]]
         if cells.empty:
             return cells
         params = pd.DataFrame(list(cells["params"]), index=cells.index)

@@ -150,7 +150,7 @@ def prefill(cells: pd.DataFrame, styles: dict[str, SlotStyle]) -> Figure | str:
     ax.set_xscale("log", base=2)
     # Ticks at the measured lengths, written out: "2^9" makes a reader compute.
     lengths = sorted(cells.loc[cells["metric"] == PREFILL_METRIC, PREFILL_X].dropna().unique())
-    ax.set_xticks([float(v) for v in lengths], [f"{int(v):,}" for v in lengths])
+    ax.set_xticks([float(v) for v in lengths], [tokens(v) for v in lengths])
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("prompt length (tokens, log scale)")
     ax.set_ylabel(f"prefill throughput ({unit_of(cells, PREFILL_METRIC, 'tok/s')})")
@@ -175,7 +175,7 @@ def needle(cells: pd.DataFrame, styles: dict[str, SlotStyle]) -> Figure | str:
         grid = group.pivot_table(index=NEEDLE_DEPTH, columns=NEEDLE_LENGTH, values="value", aggfunc="mean")
         grid = grid.sort_index().sort_index(axis=1)
         image = ax.imshow(grid.values, cmap=colours, vmin=0, vmax=1, aspect="auto", origin="lower")
-        ax.set_xticks(range(grid.shape[1]), [f"{int(v):,}" for v in grid.columns], rotation=45, fontsize=7)
+        ax.set_xticks(range(grid.shape[1]), [tokens(v) for v in grid.columns], fontsize=7)
         ax.set_yticks(range(grid.shape[0]), [_depth(v) for v in grid.index], fontsize=7)
         for (i, j), value in np.ndenumerate(grid.values):
             if not math.isnan(value):
@@ -190,6 +190,11 @@ def needle(cells: pd.DataFrame, styles: dict[str, SlotStyle]) -> Figure | str:
                         shrink=0.8)
     figure.suptitle("Needle retrieval: found rate by context length and depth")
     return figure
+
+
+def tokens(value: float) -> str:
+    """A token count as a tick label: 1024, 8000, 93K, 131K (a separator would read as a decimal point to many)."""
+    return f"{int(value)}" if value < 10_000 else f"{round(value / 1000)}K"
 
 
 def _depth(value: float) -> str:
