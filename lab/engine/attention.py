@@ -38,7 +38,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     kvh, d = cache.shape[-2:]
-    out = cache.view(-1, kvh, d)[slots]
+    # index_select on the flat slot axis: several times faster than advanced indexing on the CPU.
+    out = cache.view(-1, kvh, d).index_select(0, slots.reshape(-1)).view(*slots.shape, kvh, d)
     return out.to(dtype) if out.dtype != dtype else out
 
 
@@ -71,8 +72,11 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return out * scale if scale != 1.0 else out
 
 
-def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots [nd, max_ctx] and validity mask of the decode sequences, built once per step."""
+def _decode_index(meta: AttentionMetadata, block_size: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slots [nd, max_ctx] of the decode sequences and an additive mask [nd, 1, 1, max_ctx] for
+    the padding of shorter contexts (None when every context has the same length), built once
+    per step and shared by all layers."""
     cached = meta.scratch.get("torch_decode_index")
     if cached is not None:
         return cached
@@ -82,7 +86,13 @@ def _decode_index(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tenso
     pos = torch.arange(max_ctx, device=device)
     blocks = meta.block_tables[:nd, pos // block_size].long()
     slots = blocks * block_size + (pos % block_size)
-    mask = pos[None, :] < meta.context_lens[:nd, None]
+    mask = None
+    # Decided on the lengths tensor, not the host copy: CUDA-graph metadata reports the longest
+    # possible context on the host for every row.
+    if not bool((meta.context_lens[:nd] == max_ctx).all()):
+        valid = pos[None, :] < meta.context_lens[:nd, None]
+        mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
+        mask = mask[:, None, None, :]
     meta.scratch["torch_decode_index"] = (slots, mask)
     return slots, mask
 
@@ -97,12 +107,11 @@ class TorchAttention:
         block_size = k_cache.shape[1]
         nd = meta.num_decodes
         if nd:
-            slots, mask = _decode_index(meta, block_size)
+            slots, mask = _decode_index(meta, block_size, q.dtype)
             kd = gather_kv(k_cache, slots, q.dtype).transpose(1, 2)  # [nd, KVH, max_ctx, D]
             vd = gather_kv(v_cache, slots, q.dtype).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], scale=scale,
-                                                enable_gqa=True)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
             out[:nd] = od.squeeze(2)
         start = nd
         for i in range(nd, meta.num_seqs):
