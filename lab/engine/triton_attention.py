@@ -61,12 +61,11 @@ class TritonAttention:
         for i in range(meta.num_decodes, meta.num_seqs):
             qlen, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
             end = start + qlen
-            if ctx == qlen:
+            if ctx == qlen and k_cache.dtype not in FP8_DTYPES:
                 ki, vi = k[start:end], v[start:end]
-                if k_cache.dtype in FP8_DTYPES:
-                    # Attend to what later steps will read back from the cache.
-                    ki, vi = ki.to(k_cache.dtype).to(q.dtype), vi.to(v_cache.dtype).to(q.dtype)
             else:
+                # A prefix, or an fp8 cache: attend to exactly what later steps will read back
+                # (quantised as x / scale, widened times the scale).
                 ki = gather_context(k_cache, meta.block_tables[i], ctx, q.dtype, self.k_scale)
                 vi = gather_context(v_cache, meta.block_tables[i], ctx, q.dtype, self.v_scale)
             out[start:end] = causal_attention(q[start:end], ki, vi, scale, expand_heads=True)

@@ -43,6 +43,16 @@ def max_diff(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[t] - b[t]) for t in shared)
 
 
+def assert_close_until_divergence(want: tuple, got: tuple, tol: float = 0.05) -> None:
+    """Top-5 logprobs agree step by step up to the first token that differs: bf16 near-ties may
+    legitimately pick different tokens, after which the contexts differ."""
+    for a_seq, b_seq, a_ids, b_ids in zip(want[0], got[0], want[1], got[1]):
+        for i, (a, b) in enumerate(zip(a_seq, b_seq)):
+            assert max_diff(a, b) < tol, (i, a, b)
+            if a_ids[i] != b_ids[i]:
+                break
+
+
 def test_prompt_logits_match_transformers_fp32() -> None:
     llm = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="float32", device="cuda", cuda_graphs=False)
     mc = llm.engine.model_config
@@ -65,14 +75,7 @@ def test_cuda_graph_decode_matches_eager() -> None:
     graphed = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", cuda_graphs=True,
                   cuda_graph_max_batch_size=16)
     assert graphed.engine.runner.graphs is not None
-    got_lp, got_ids = top_logprobs(graphed, ps, 8)
-    for a_seq, b_seq, a_ids, b_ids in zip(want_lp, got_lp, want_ids, got_ids):
-        # Step 0 comes from prefill (no graph); compare the decode steps up to the first token
-        # that differs (bf16 ties can diverge legitimately).
-        for i, (a, b) in enumerate(zip(a_seq, b_seq)):
-            assert max_diff(a, b) < 0.05, (i, a, b)
-            if a_ids[i] != b_ids[i]:
-                break
+    assert_close_until_divergence((want_lp, want_ids), top_logprobs(graphed, ps, 8))
 
 
 def test_triton_backend_matches_torch_backend_bf16() -> None:
@@ -83,12 +86,7 @@ def test_triton_backend_matches_torch_backend_bf16() -> None:
     del torch_path
     triton_path = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", attention_backend="triton",
                       cuda_graphs=True)
-    got_lp, got_ids = top_logprobs(triton_path, ps, 6)
-    for a_seq, b_seq, a_ids, b_ids in zip(want_lp, got_lp, want_ids, got_ids):
-        for i, (a, b) in enumerate(zip(a_seq, b_seq)):
-            assert max_diff(a, b) < 0.05, (i, a, b)
-            if a_ids[i] != b_ids[i]:
-                break
+    assert_close_until_divergence((want_lp, want_ids), top_logprobs(triton_path, ps, 6))
 
 
 def test_fp8_kv_cache_stays_close() -> None:

@@ -110,6 +110,12 @@ def test_a_run_with_no_cells_is_refused(store) -> None:
         compare(store, "C0ctl", "A1")
 
 
+def label_of(ref) -> str:
+    """How compare names a ladder's key metric: `instrument.metric[k=v,...]` with its `where`."""
+    where = ",".join(f"{k}={v}" for k, v in sorted(ref.where.items()))
+    return f"{ref.metric}[{where}]" if where else ref.metric
+
+
 @pytest.mark.slow
 def test_lab_compare_prints_the_table_and_the_stored_verdict(quickstart: Quickstart) -> None:
     done = lab_cli(["compare", "C0ctl", "C1mnbt256", "--db", str(quickstart.db)], quickstart.directory)
@@ -122,7 +128,9 @@ def test_lab_compare_prints_the_table_and_the_stored_verdict(quickstart: Quickst
     header = next(line for line in out.splitlines() if "metric" in line and "Δ %" in line)
     for column in ("rule", "A", "B", "noise band", "statistics"):
         assert column in header
-    assert "memory.peak_memory_gib (GiB)" in out and "key: lower is better" in out
+    for ref in load_ladder(REPO / "ladders" / "quickstart.yaml")[0].keep.metric_refs():
+        assert label_of(ref) in out  # every key metric the ladder names is a row
+    assert "key: higher is better" in out and "key: lower is better" in out
     assert "memory.host_mem_available_floor_gib (GiB)" in out and "gate: ≥ 1" in out
     assert f"KEEP C1mnbt256: {decision} against C0ctl (window W1)" in out
     assert f"· {reasons[0]}" in out
@@ -142,7 +150,7 @@ def test_lab_compare_json_is_the_same_comparison_for_machines(quickstart: Quicks
     data = json.loads(done.stdout)
     keep = load_ladder(REPO / "ladders" / "quickstart.yaml")[0].keep
     assert [(row["metric"], row["kind"]) for row in data["rows"]] == (
-        [(ref.metric, "key") for ref in keep.metric_refs()] + [(gate.metric, "gate") for gate in keep.gates])
+        [(label_of(ref), "key") for ref in keep.metric_refs()] + [(gate.metric, "gate") for gate in keep.gates])
     row = data["rows"][0]
     assert row["a"] > 0 and row["b"] > 0 and row["delta_pct"] == pytest.approx((row["b"] - row["a"]) / row["a"] * 100)
     assert data["verdicts"]["C2nopc"]["decision"] in ("keep", "reject", "inconclusive")
