@@ -38,14 +38,18 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> float:
     return times[len(times) // 2]
 
 
+def _copy_seconds(nbytes: int, device: torch.device, repeats: int) -> float:
+    # Its own function so the two buffers are freed before the matmul operands are allocated.
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return _median_seconds(lambda: dst.copy_(src), device, repeats)
+
+
 def measure_ceilings(device: torch.device, dtype: torch.dtype, copy_bytes: int | None = None,
                      matmul_n: int | None = None, repeats: int = 10) -> Ceilings:
     gpu = device.type == "cuda"
     copy_bytes = copy_bytes or ((2 << 30) if gpu else (256 << 20))
-    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    t_copy = _median_seconds(lambda: dst.copy_(src), device, repeats)
-    del src, dst
+    t_copy = _copy_seconds(copy_bytes, device, repeats)
     n = matmul_n or (8192 if gpu else 1024)
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)

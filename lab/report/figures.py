@@ -291,7 +291,6 @@ def boot_timeline(boots: pd.DataFrame, steps: pd.DataFrame) -> Figure | str:
         start = seconds(boot["started_at"])
         ready = seconds(boot["ready_at"]) if not pd.isna(boot["ready_at"]) else None
         own = steps[steps["boot_id"] == boot["id"]]
-        first = seconds(own["started_at"].min()) if not own.empty else None
         last = seconds(own["finished_at"].max()) if not own.empty else None
         end_candidates = [t for t in (seconds(boot["stopped_at"]) if not pd.isna(boot["stopped_at"]) else None,
                                       last, ready) if t is not None]

@@ -23,7 +23,6 @@ import random
 from typing import Any
 
 import pytest
-import torch
 
 from tests.engine.kernel_cases import (InterpreterWorker, check_attention, check_padding_rows, check_rms_norm,
                                        check_rope)

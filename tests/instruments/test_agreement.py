@@ -6,10 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,10 +18,10 @@ from lab.instruments.agreement import AgreementInstrument, AgreementParams, Gene
 from lab.instruments.base import BootContext, Cell
 from lab.instruments.opening_control import load_reference
 from lab.store import models as m
-from lab.store.db import Store, open_store
+from lab.store.db import Store
 from tests.engine.server_process import engine_server
+from tests.instruments.ladder_run import run_ladder
 
-REPO = Path(__file__).resolve().parents[2]
 AGREEMENT_LADDER = """\
     name: agree
     engine:
@@ -45,12 +41,7 @@ AGREEMENT_LADDER = """\
 @pytest.fixture(scope="module")
 def agreement_window(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     """`lab run` of C0ctl (float32), A1bf16, C0ctl: the same config twice around a bfloat16 arm."""
-    cwd = tmp_path_factory.mktemp("agreement")
-    (cwd / "agree.yaml").write_text(textwrap.dedent(AGREEMENT_LADDER))
-    done = subprocess.run([sys.executable, "-m", "lab", "run", "agree.yaml", "--name", "agree"], cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    store = open_store(str(cwd / "lab.db"))
+    store = run_ladder(tmp_path_factory.mktemp("agreement"), AGREEMENT_LADDER, "agree", timeout=300)
     yield store
     store.close()
 

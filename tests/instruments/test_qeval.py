@@ -6,14 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import socket
-import subprocess
-import sys
-import textwrap
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -23,9 +18,9 @@ from lab.instruments.qeval import QevalInstrument, QevalParams, ScorerSelfCheckE
 from lab.instruments.qeval_task import QevalTask, load_tasks, task_set_hash
 from lab.instruments.scoring import Score, final_number, score
 from lab.store import models as m
-from lab.store.db import Store, open_store
+from lab.store.db import Store
+from tests.instruments.ladder_run import run_ladder
 
-REPO = Path(__file__).resolve().parents[2]
 QEVAL_LADDER = """\
     name: qevaltwo
     engine:
@@ -44,12 +39,7 @@ QEVAL_LADDER = """\
 def qeval_two_control_boots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     """`lab run` of one window with no arm: the opening and the closing control, the same config
     booted twice, each running all shipped tasks."""
-    cwd = tmp_path_factory.mktemp("qeval")
-    (cwd / "qevaltwo.yaml").write_text(textwrap.dedent(QEVAL_LADDER))
-    done = subprocess.run([sys.executable, "-m", "lab", "run", "qevaltwo.yaml", "--name", "two"], cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=480)
-    assert done.returncode == 0, done.stdout + done.stderr
-    store = open_store(str(cwd / "lab.db"))
+    store = run_ladder(tmp_path_factory.mktemp("qeval"), QEVAL_LADDER, "two", timeout=480)
     yield store
     store.close()
 

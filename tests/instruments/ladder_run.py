@@ -1,0 +1,23 @@
+"""Run a ladder through the real `lab run` in a subprocess and open its store (tests only)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from lab.store.db import Store, open_store
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_ladder(cwd: Path, ladder: str, name: str, timeout: float) -> Store:
+    """Write `ladder` (dedented) into `cwd`, run it as run `name`, and return its store."""
+    (cwd / f"{name}.yaml").write_text(textwrap.dedent(ladder))
+    done = subprocess.run([sys.executable, "-m", "lab", "run", f"{name}.yaml", "--name", name], cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return open_store(str(cwd / "lab.db"))
