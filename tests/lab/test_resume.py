@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from sqlalchemy import func, select
 
 from lab.store import models as m
@@ -68,6 +69,31 @@ def alive(pid: int) -> bool:
         return False
 
 
+def stop_left_engines(db: Path) -> None:
+    """Stop every engine a run recorded that is still alive: a failing assertion must not leave the
+    engines of a killed `lab run` behind (each runs in its own process group)."""
+    if not db.exists():
+        return
+    store = open_store(str(db))
+    try:
+        with store.session() as s:
+            boots = s.execute(select(m.Boot.pid, m.Boot.pid_started)).all()
+    finally:
+        store.close()
+    for pid, started in boots:
+        # Only the process the run started: a pid reused since then has another create time.
+        if pid and alive(pid) and started and abs(psutil.Process(pid).create_time() - started) < 1e-3:
+            os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def cleanup(tmp_path: Path):
+    yield
+    for db in tmp_path.rglob("lab.db"):
+        stop_left_engines(db)
+
+
+@pytest.mark.usefixtures("cleanup")
 def test_kill_9_then_resume_gives_exactly_the_cells_of_an_uninterrupted_run(tmp_path: Path) -> None:
     ladder = stub_ladder(tmp_path, BODY)
     whole, cut = tmp_path / "whole", tmp_path / "cut"
@@ -109,6 +135,7 @@ def test_kill_9_then_resume_gives_exactly_the_cells_of_an_uninterrupted_run(tmp_
         assert request.step_id == cell.step_id and request.status == 200 and request.prompt_tokens == 1
 
 
+@pytest.mark.usefixtures("cleanup")
 def test_sigterm_stops_the_engine_and_leaves_the_run_resumable(tmp_path: Path) -> None:
     ladder = stub_ladder(tmp_path, BODY)
     victim = lab_process(["run", str(ladder), "--name", "t"], tmp_path, with_ping=True)
