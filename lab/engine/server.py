@@ -409,21 +409,16 @@ def build_app(server: Server) -> FastAPI:
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, _validation_message(exc), "invalid_request_error")
 
-    @app.exception_handler(BadRequestError)
-    async def on_bad_request(request: Request, exc: BadRequestError) -> JSONResponse:
-        return error_response(400, str(exc), "invalid_request_error")
-
-    @app.exception_handler(ModelNotFound)
-    async def on_not_found(request: Request, exc: ModelNotFound) -> JSONResponse:
-        return error_response(404, str(exc), "invalid_request_error", "model_not_found", "model")
-
-    @app.exception_handler(EngineBusyError)
-    async def on_busy(request: Request, exc: EngineBusyError) -> JSONResponse:
-        return error_response(503, str(exc), "service_unavailable")
-
-    @app.exception_handler(EngineDeadError)
-    async def on_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc), "service_unavailable")
+    # The engine's own errors, each to its OpenAI status, type, code and param.
+    errors = {BadRequestError: (400, "invalid_request_error", None, None),
+              ModelNotFound: (404, "invalid_request_error", "model_not_found", "model"),
+              EngineBusyError: (503, "service_unavailable", None, None),
+              EngineDeadError: (503, "service_unavailable", None, None)}
+    for kind, (status, error_type, code, param) in errors.items():
+        async def on_error(request: Request, exc: Exception, status=status, error_type=error_type, code=code,
+                           param=param) -> JSONResponse:
+            return error_response(status, str(exc), error_type, code, param)
+        app.add_exception_handler(kind, on_error)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
