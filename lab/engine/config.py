@@ -52,6 +52,8 @@ class EngineConfig:
                                    ("auto", "torch", "triton"))
     cuda_graphs: bool = _knob(True, "capture decode steps as CUDA graphs (CUDA only)")
     cuda_graph_max_batch_size: int = _knob(256, "largest decode batch captured as a CUDA graph")
+    overlap_decode: str = _knob("auto", "queue each decode step on the device before reading the previous "
+                                "step's tokens, hiding host work (auto = on with CUDA)", ("auto", "on", "off"))
     max_logprobs: int = _knob(20, "most top_logprobs a request may ask for")
 
     def __post_init__(self) -> None:

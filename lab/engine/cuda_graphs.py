@@ -44,12 +44,15 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, self.max_blocks), null_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # Pinned staging rows, one host-to-device copy per buffer per step. A step reuses them
-        # only after the previous step's sampling has synchronised with the device.
+        self.src_rows = torch.full((n,), -1, dtype=torch.long, device=device)
+        # Pinned staging buffers, one host-to-device copy per buffer per step, in two sets used
+        # alternately: with overlapped decode the host fills step N+1's set while step N's copies
+        # may still be queued, and step N-1 (the last user of the other set) has finished.
         pin = device.type == "cuda"
-        self.host_rows = torch.zeros((3, n), dtype=torch.long, pin_memory=pin)
-        self.host_context = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, pin_memory=pin)
+        self.host_rows = torch.zeros((2, 4, n), dtype=torch.long, pin_memory=pin)
+        self.host_context = torch.zeros((2, n), dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros((2, n, self.max_blocks), dtype=torch.int32, pin_memory=pin)
+        self.parity = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -94,17 +97,23 @@ class DecodeGraphs:
         return None
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Logits [n, vocab] of one decode step of n sequences (each one new token at `positions`)."""
+    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            prev_tokens: torch.Tensor | None = None, src_rows: list[int] | None = None) -> torch.Tensor:
+        """Logits [n, vocab] of one decode step of n sequences (each one new token at `positions`).
+        With `prev_tokens`, row i whose `src_rows[i]` is not -1 takes its input token from
+        `prev_tokens[src_rows[i]]` on the device (a token sampled by a step not yet read back)."""
         n = len(input_ids)
         bs = self.batch_size_for(n)
         assert bs is not None, f"decode batch {n} exceeds the largest captured graph {self.max_batch}"
         bsz = self.block_size
-        rows = self.host_rows.numpy()
+        p = self.parity
+        self.parity ^= 1
+        host_rows, host_context, host_tables = self.host_rows[p], self.host_context[p], self.host_tables[p]
+        rows = host_rows.numpy()
         rows[0, :n] = input_ids
         pos = np.asarray(positions, dtype=np.int64)
         rows[1, :n] = pos
-        tables = self.host_tables.numpy()
+        tables = host_tables.numpy()
         width = 1
         slots = np.empty(n, dtype=np.int64)
         for i, table in enumerate(block_tables):
@@ -112,7 +121,7 @@ class DecodeGraphs:
             width = max(width, len(table))
             slots[i] = table[pos[i] // bsz] * bsz + pos[i] % bsz
         rows[2, :n] = slots
-        context = self.host_context.numpy()
+        context = host_context.numpy()
         context[:n] = pos + 1
         # Padding rows: null block, one token of context.
         rows[0, n:bs] = 0
@@ -120,10 +129,21 @@ class DecodeGraphs:
         rows[2, n:bs] = self.null_block * bsz
         context[n:bs] = 1
         tables[n:bs, 0] = self.null_block
-        self.input_ids[:bs].copy_(self.host_rows[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(self.host_rows[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self.host_rows[2, :bs], non_blocking=True)
-        self.context_lens[:bs].copy_(self.host_context[:bs], non_blocking=True)
-        self.block_tables[:bs, :width].copy_(self.host_tables[:bs, :width], non_blocking=True)
+        self.input_ids[:bs].copy_(host_rows[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(host_rows[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(host_rows[2, :bs], non_blocking=True)
+        self.context_lens[:bs].copy_(host_context[:bs], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(host_tables[:bs, :width], non_blocking=True)
+        if prev_tokens is not None and src_rows == list(range(n)):
+            # The usual overlapped step: the same sequences in the same order as the last one.
+            self.input_ids[:n].copy_(prev_tokens[:n])
+        elif prev_tokens is not None:
+            assert src_rows is not None
+            rows[3, :n] = src_rows
+            rows[3, n:bs] = -1
+            src = self.src_rows[:bs]
+            src.copy_(host_rows[3, :bs], non_blocking=True)
+            fed = prev_tokens.index_select(0, src.clamp(min=0))
+            self.input_ids[:bs].copy_(torch.where(src >= 0, fed, self.input_ids[:bs]))
         self.graphs[bs].replay()
         return self.logits[bs][:n]

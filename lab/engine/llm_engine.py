@@ -13,13 +13,19 @@ import torch
 from lab.engine.block_manager import BlockManager
 from lab.engine.config import ConfigError, EngineConfig
 from lab.engine.loader import LoadedModel, load_model
-from lab.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
+from lab.engine.model_runner import InflightStep, ModelRunner, resolve_device, resolve_dtype
 from lab.engine.output_processor import OutputProcessor, RequestOutput
 from lab.engine.sampling_params import BadRequestError, SamplingParams
-from lab.engine.scheduler import Scheduler
-from lab.engine.sequence import Sequence, Status
+from lab.engine.scheduler import Scheduler, SchedulerOutput
+from lab.engine.sequence import Sequence, Status, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+
+def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
+    if config.overlap_decode == "auto":
+        return device.type == "cuda"
+    return config.overlap_decode == "on"
 
 
 class EngineBusyError(RuntimeError):
@@ -33,6 +39,7 @@ class Counters:
     requests_finished: int = 0
     requests_aborted: int = 0
     steps: int = 0
+    overlapped_steps: int = 0  # decode steps queued before the previous step's tokens were read
 
 
 class LLMEngine:
@@ -62,6 +69,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.counters = Counters()
         self._ids = itertools.count()
+        self.overlap = overlap_enabled(config, self.device)
+        self._inflight: InflightStep | None = None
         self.load_seconds = time.monotonic() - started
         log.info("engine ready in %.1f s: %s on %s (%s), KV pool %d blocks x %d = %d tokens (%.1f MiB)",
                  self.load_seconds, config.model, self.device, str(self.dtype).removeprefix("torch."),
@@ -105,25 +114,75 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
+        seq.drop_pending()
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         self.counters.requests_aborted += 1
         return self.outputs.finish_without_token(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step and return the outputs it produced. With overlapped decode, a decode step
+        is queued on the device and its tokens are read one call later, after the next step has
+        been queued behind it, so the host's work (scheduling, inputs, outputs) hides behind the
+        device's; a step that cannot overlap first collects the step in flight."""
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
+        inflight = self._inflight
+        if self.overlap and self._overlappable(plan):
+            self._trim_certain_finishers(plan)
+            if plan.scheduled:
+                self._inflight = self.runner.launch_decode(plan.scheduled, inflight)
+                self.counters.steps += 1
+                self.counters.overlapped_steps += inflight is not None
+                for s in plan.scheduled:
+                    s.seq.num_computed_tokens += 1
+                    s.seq.add_pending()
+                return self._collect(inflight) if inflight is not None else []
+        outputs: list[RequestOutput] = []
+        if inflight is not None:
+            self._inflight = None
+            outputs = self._collect(inflight)
+            # Sequences that stopped on the collected tokens leave this step's plan; their
+            # blocks are already free and their rows would compute nothing anyone reads.
+            plan.scheduled = [s for s in plan.scheduled if not s.seq.is_finished]
+        if not plan.scheduled:
+            if not outputs and self.scheduler.waiting and not self.scheduler.running:
                 # Nothing runs and the head of the queue does not fit: cannot happen with a pool of
                 # at least one full-length request, so refuse loudly rather than spin.
                 seq = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {seq.request_id} cannot be scheduled with an empty engine")
-            return []
+            return outputs
+        return outputs + self._run_sync(plan)
+
+    def _overlappable(self, plan: SchedulerOutput) -> bool:
+        """A pure decode step whose outputs need nothing but the sampled token."""
+        return not plan.preempted and all(
+            s.num_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens and s.samples
+            and s.seq.params.logprobs is None and not s.seq.wants_prompt_logprobs for s in plan.scheduled)
+
+    def _trim_certain_finishers(self, plan: SchedulerOutput) -> None:
+        """Leave out of an overlapped step the sequences whose pending token is certain to be
+        their last (max_tokens or the context reached): their rows would be computed for nothing."""
+        plan.scheduled = [s for s in plan.scheduled if not s.seq.num_pending or (
+            s.seq.num_tokens - s.seq.num_prompt_tokens < s.seq.params.max_tokens
+            and s.seq.num_tokens < self.max_model_len)]
+
+    def _collect(self, inflight: InflightStep) -> list[RequestOutput]:
+        """Read a launched step's tokens and turn them into outputs, as `_run_sync` does."""
+        outputs: list[RequestOutput] = []
+        for seq, token in zip(inflight.seqs, inflight.read_tokens()):
+            if seq.is_finished:
+                continue  # aborted while its step ran
+            seq.resolve_pending(token)
+            self.blocks.register_full_blocks(seq)
+            outputs.append(self._on_sampled(seq, token, None))
+        return outputs
+
+    def _run_sync(self, plan: SchedulerOutput) -> list[RequestOutput]:
         result = self.runner.execute(plan.scheduled)
         self.counters.steps += 1
         outputs: list[RequestOutput] = []
@@ -149,18 +208,20 @@ class LLMEngine:
                 continue
             token, lp = result.sampled[seq.seq_id]
             seq.token_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            if seq.first_token_time is None:
-                seq.first_token_time = time.monotonic()
-            self.counters.generation_tokens += 1
-            out = self.outputs.on_token(seq)
-            if out.finished:
-                out = self._finish(seq, out)
-            outputs.append(out)
+            outputs.append(self._on_sampled(seq, token, lp))
         return outputs
 
+    def _on_sampled(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        if lp is not None:
+            seq.logprobs.append(lp)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        self.counters.generation_tokens += 1
+        out = self.outputs.on_token(seq)
+        return self._finish(seq, out) if out.finished else out
+
     def _finish(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        seq.drop_pending()
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         self.requests.pop(seq.request_id, None)

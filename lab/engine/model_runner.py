@@ -16,7 +16,7 @@ from lab.engine.cuda_graphs import DecodeGraphs
 from lab.engine.loader import LoadedModel
 from lab.engine.model import Model, Ops
 from lab.engine.scheduler import ScheduledSeq
-from lab.engine.sequence import TokenLogprob
+from lab.engine.sequence import Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,21 @@ def make_backends(config: EngineConfig, device: torch.device) -> tuple[Attention
 
 
 @dataclass
+class InflightStep:
+    """A decode step launched on the device whose sampled tokens have not been read yet."""
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [n] sampled on the device; the next step's inputs are read from here
+    host_tokens: torch.Tensor  # [n] on the host, filled by a non-blocking copy of `tokens`
+    event: torch.cuda.Event | None  # recorded after that copy (None on the CPU)
+    rows: dict[int, int]  # seq_id -> row in `tokens`
+
+    def read_tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_tokens.tolist()
+
+
+@dataclass
 class StepResult:
     sampled: dict[int, tuple[int, TokenLogprob | None]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
@@ -95,6 +110,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_layers, self.null_block, self.block_size,
                                        max_model_len, max_batch)
             self.graphs.capture()
+        # Two sets of pinned buffers for sampled tokens, used alternately by overlapped decode
+        # steps: step N+1 copies into one while the host has yet to read step N's from the other.
+        rows = max(config.max_num_seqs, 1)
+        pin = device.type == "cuda"
+        self._host_tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._parity = 0
 
     @property
     def bytes_per_block(self) -> int:
@@ -169,6 +190,36 @@ class ModelRunner:
         hidden = self.model.forward(ids, pos, meta, self.kv_layers)
         logits = self.model.logits(hidden[logit_rows]) if logit_rows else None
         return self._postprocess(scheduled, logits)
+
+    @torch.inference_mode()
+    def launch_decode(self, scheduled: list[ScheduledSeq], prev: InflightStep | None) -> InflightStep:
+        """Start a decode step (one token per sequence, no logprobs) and return without waiting
+        for it. A sequence with a pending token takes it from `prev` on the device as its input,
+        so this step can be queued while `prev` still runs."""
+        seqs = [s.seq for s in scheduled]
+        src = [prev.rows[q.seq_id] if q.num_pending else -1 for q in seqs] if prev is not None else None
+        host_ids = [q.last_known_token if not q.num_pending else 0 for q in seqs]
+        graphs = self.graphs
+        if graphs is not None and len(seqs) <= graphs.max_batch:
+            logits = graphs.run(host_ids, [q.num_tokens - 1 for q in seqs], [q.block_table for q in seqs],
+                                prev.tokens if prev is not None else None, src)
+        else:
+            ids, pos, meta, _ = self.prepare(scheduled)
+            if prev is not None:
+                src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+                ids = torch.where(src_t >= 0, prev.tokens.index_select(0, src_t.clamp(min=0)), ids)
+            logits = self.model.logits(self.model.forward(ids, pos, meta, self.kv_layers))
+        tokens = sampler.sample(logits, [q.params for q in seqs], [q.generator for q in seqs])
+        host = self._host_tokens[self._parity][:len(seqs)]
+        self._parity ^= 1
+        event = None
+        if self.device.type == "cuda":
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host.copy_(tokens)
+        return InflightStep(seqs, tokens, host, event, {q.seq_id: i for i, q in enumerate(seqs)})
 
     def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> StepResult:
         result = StepResult()

@@ -45,7 +45,7 @@ class OutputProcessor:
         self.states: dict[int, TextState] = {}
 
     def _append_text(self, seq: Sequence, state: TextState) -> None:
-        token = seq.token_ids[-1]
+        token = seq.last_known_token
         if token in self.tokenizer.special_ids:
             return
         ids = state.ids
@@ -76,14 +76,14 @@ class OutputProcessor:
                 return "stop"
         if seq.num_output_tokens >= p.max_tokens:
             return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if seq.num_known_tokens >= self.max_model_len:
             return "length"
         return None
 
     def on_token(self, seq: Sequence) -> RequestOutput:
-        """Account for the token just appended to `seq`; sets `seq.finish_reason` when it stops."""
+        """Account for the newest known token of `seq`; sets `seq.finish_reason` when it stops."""
         state = self.states.setdefault(seq.seq_id, TextState())
-        token = seq.token_ids[-1]
+        token = seq.last_known_token
         if seq.params.detokenize:
             self._append_text(seq, state)
         reason = self._check_stop(seq, state, token)
@@ -111,7 +111,7 @@ class OutputProcessor:
             limit = max(state.emitted, limit - (max(len(s) for s in seq.params.stop) - 1))
         new_text = state.text[state.emitted:limit]
         state.emitted = limit
-        new_tokens = seq.token_ids[seq.num_prompt_tokens + state.emitted_tokens:]
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + state.emitted_tokens:seq.num_known_tokens]
         state.emitted_tokens = seq.num_output_tokens
         new_lps = seq.logprobs[state.emitted_logprobs:]
         state.emitted_logprobs = len(seq.logprobs)

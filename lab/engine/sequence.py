@@ -11,6 +11,9 @@ import torch
 from lab.engine.sampling_params import SamplingParams
 
 
+PENDING = -1  # the placeholder of a token still being sampled on the device
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -44,6 +47,9 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     admitted: bool = False
+    # Tokens sampled by a step still running on the device: their places at the end of
+    # `token_ids` hold PENDING until the step's results are read (see LLMEngine, overlapped decode).
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -54,15 +60,39 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the scheduler plans with, pending ones included."""
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are known on the host (pending ones excluded)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def last_known_token(self) -> int:
+        return self.token_ids[self.num_known_tokens - 1]
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_known_tokens - self.num_prompt_tokens
+
+    def add_pending(self) -> None:
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+
+    def resolve_pending(self, token: int) -> None:
+        """The oldest pending token's value has arrived."""
+        self.token_ids[self.num_known_tokens] = token
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     @property
     def num_remaining(self) -> int:

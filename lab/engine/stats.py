@@ -64,6 +64,7 @@ def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -
         "requests_finished": c.requests_finished,
         "requests_aborted": c.requests_aborted,
         "steps": c.steps,
+        "overlapped_steps": c.overlapped_steps,
         "load_seconds": engine.load_seconds,
         "uptime_s": time.time() - started_at,
         **memory_report(engine.device),

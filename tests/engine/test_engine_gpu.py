@@ -109,3 +109,18 @@ def test_long_prefill_through_chunks_on_paged_kv() -> None:
     ids = torch.randint(3, 250, (20000,), generator=torch.Generator().manual_seed(4)).tolist()
     out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 2 and llm.engine.counters.steps >= 4
+
+
+def test_overlapped_decode_matches_synchronous() -> None:
+    """Overlapped decode (the CUDA default) feeds each step's tokens to the next on the device:
+    greedy tokens must equal the synchronous engine's, with requests ending at different steps
+    so the batch shrinks across captured graph sizes. float32, so no bf16 near-tie can differ."""
+    ps = prompts(24, seed=5)
+    params = [SamplingParams(max_tokens=6 + (i % 5) * 5, temperature=0, ignore_eos=True) for i in range(24)]
+    sync = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="float32", device="cuda", overlap_decode="off")
+    want = [c.token_ids for c in sync.generate(ps, params)]
+    del sync
+    overlapped = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="float32", device="cuda")
+    assert overlapped.engine.overlap and overlapped.engine.runner.graphs is not None
+    assert [c.token_ids for c in overlapped.generate(ps, params)] == want
+    assert overlapped.engine.counters.overlapped_steps >= 20

@@ -87,3 +87,70 @@ def test_seeded_sampling_ignores_batch(prompts) -> None:
     solo = llm.generate(prompts[0], params)[0].token_ids
     batched = llm.generate(prompts[:6], [params] + [SamplingParams(max_tokens=12, temperature=1.0)] * 5)
     assert batched[0].token_ids == solo
+
+
+# -- overlapped decode: tokens read one step late, the next step queued first ------------------
+
+
+def test_overlapped_decode_matches(prompts, alone) -> None:
+    got, llm = run(prompts, overlap_decode="on", max_num_batched_tokens=512)
+    assert got == alone
+    # Most of the 20 x 19 decode steps' worth of work really was queued behind a running step.
+    assert llm.engine.counters.overlapped_steps > 10
+    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.has_unfinished()
+
+
+def test_overlapped_decode_under_preemption(prompts, alone) -> None:
+    got, llm = run(prompts, overlap_decode="on", max_model_len=512, num_kv_blocks=34)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == alone
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_overlapped_decode_with_staggered_arrivals_and_aborts(prompts, alone) -> None:
+    """Arrivals turn overlapped steps back into synchronous ones and aborts land while a step is
+    in flight: the surviving requests' outputs must not change and no block may leak."""
+    llm = LLM("smollm2-135m", overlap_decode="on", max_num_batched_tokens=128, long_prefill_token_threshold=48)
+    engine = llm.engine
+    results: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    aborted: set[str] = set()
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 3 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), llm.encode(p), GREEDY)
+        if step in (9, 17) and engine._inflight is not None:
+            victim = next(s for s in engine._inflight.seqs if not s.is_finished)
+            assert engine.abort(victim.request_id) is not None
+            aborted.add(victim.request_id)
+        for out in engine.step():
+            assert out.request_id not in aborted, "an output arrived for an aborted request"
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    assert len(aborted) == 2
+    for i in range(len(prompts)):
+        if str(i) not in aborted:
+            assert results[str(i)] == alone[i], i
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_overlapped_decode_stops_and_sampling(prompts) -> None:
+    """Every way a request ends (EOS, stop string, stop token, max_tokens) and seeded sampling
+    give the same tokens, text and finish reason with and without overlap."""
+    params = [SamplingParams(max_tokens=40, temperature=0),
+              SamplingParams(max_tokens=30, temperature=0, stop=[" the", "."]),
+              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=0, stop_token_ids=[13, 28], ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)]
+    chosen = prompts[:12]
+    per = [params[i % len(params)] for i in range(len(chosen))]
+
+    def outcome(mode: str):
+        done = LLM("smollm2-135m", overlap_decode=mode).generate(chosen, per)
+        return [(c.token_ids, c.text, c.finish_reason, [lp.token_id for lp in c.logprobs]) for c in done]
+
+    off, on = outcome("off"), outcome("on")
+    assert on == off
+    assert {r[2] for r in off} == {"stop", "length"}

@@ -243,3 +243,37 @@ def test_burst_beyond_the_kv_pool_completes_through_preemption(tmp_path) -> None
         assert all(r.json()["usage"]["completion_tokens"] == 48 for r in responses)
         stats = s.stats()
         assert stats["preemptions"] > 0 and stats["blocks_in_use"] == 0
+
+
+def test_overlapped_decode_server_burst_and_hangups(tmp_path) -> None:
+    """The GPU default (`--overlap-decode on`) on the CPU: a burst that preempts, clients that hang
+    up mid-stream, and the same greedy text as the engine without overlap."""
+    from lab.engine.llm import LLM
+    from lab.engine.sampling_params import SamplingParams
+
+    prompts = [f"Request {i}: " + "tell me about the sea. " * 8 for i in range(12)]
+    with engine_server(tmp_path, "--max-model-len", "512", "--num-kv-blocks", "32", "--overlap-decode", "on") as s:
+        async def main() -> tuple[list[httpx.Response], list[int]]:
+            async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=40)) as c:
+                async def hang_up(i: int) -> int:
+                    body = {"prompt": f"Story {i}", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                    got = 0
+                    async with c.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            got += line.startswith("data:")
+                            if got == 3:
+                                break
+                    return got
+                bodies = [{"prompt": p, "max_tokens": 40, "ignore_eos": True, "temperature": 0} for p in prompts]
+                done = asyncio.gather(*[c.post(f"{s.url}/v1/completions", json=b) for b in bodies])
+                gone = asyncio.gather(*[hang_up(i) for i in range(10)])
+                return await done, await gone
+
+        responses, hung = asyncio.run(main())
+        assert [r.status_code for r in responses] == [200] * 12 and hung == [3] * 10
+        stats = wait_idle(s)
+        assert (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0)
+        assert stats["preemptions"] > 0 and stats["overlapped_steps"] > 0
+    offline = LLM(MODEL, max_model_len=512).generate(
+        prompts, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    assert [r.json()["choices"][0]["text"] for r in responses] == [c.text for c in offline]
