@@ -1,0 +1,304 @@
+"""Skinny matrix products y[M, N] = x[M, K] @ w[N, K]^T for M <= 16 rows (decode batches), and the
+same with SiLU-and-multiply fused into the load of x (the MLP's down projection).
+
+At these M a product reads each weight once and does almost no arithmetic per byte, so its time
+is the time to stream w from HBM. What decides that rate is (a) enough bytes in flight on every
+SM for the whole run, and (b) little fixed cost per launch (ramp-up, tail, epilogue), which is
+what separates a 33 MB product (o: 4096 x 4096) from the 1 GB lm_head. Measured on an H200
+(bench_gemv.py, CUDA graphs, weights never in L2): the 32-layer Llama-3-8B chain at M = 1 runs
+at 95.7 % of the device copy bandwidth against cuBLAS's 90.4 % (1.06x; 1.08x with the SiLU
+fused and float32 logits), 1.02-1.04x at M = 2..16. Small products gain most (o: 1.13-1.20x);
+gate_up at M >= 4 is within 1 % of cuBLAS either way.
+
+Design:
+- One program owns BLOCK_N rows of w and a contiguous range of K. Its loop is a `tl.range` with
+  an explicit `num_stages`, so Triton's software pipeliner keeps NUM_STAGES - 1 tiles of w in
+  flight through cp.async (for the FMA path too: an explicit stage count on the loop enables
+  pipelining of loads that feed no tl.dot).
+- Two ways to multiply, chosen per (shape, M) from measurements:
+  * FMA (M <= 4): a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator of plain multiply-adds, summed
+    over K once at the end. No padding rows, no shared-memory shuffle for x, but BLOCK_M FMAs per
+    weight element, so CUDA-core throughput caps it at small M.
+  * DOT: tl.dot with w as the left operand (BLOCK_N rows in the MMA's M slot) and x^T as the right
+    one padded to 16 columns, i.e. y^T = w @ x^T. Tensor cores make the arithmetic free at any
+    M <= 16; BLOCK_N >= 64 with 4 warps lets Triton use Hopper's wgmma.
+- Split-K without a second kernel: when N / BLOCK_N tiles are too few to keep enough loads in
+  flight (the fused down projection, 4096 rows by 14336), SPLIT_K programs share a tile. Each writes its fp32 partial to a workspace, then
+  bumps a per-tile arrival counter (acq_rel, gpu scope, after a CTA barrier: the same pattern as
+  CUTLASS's semaphore). The program that arrives last sums all partials in split order (0, 1,
+  ...) and writes y, then resets the counter to zero for the next launch. The sum order never
+  depends on arrival order, so results are bitwise reproducible; the only atomics are the
+  integer counters. A second reduce kernel would cost a launch gap per product (~2 us, ~5 % of
+  a 32-layer chain), which is the whole margin we are after.
+- Rows past N (or M) load a valid row instead of masking (`offs % N`); only stores are masked,
+  so the loads stay unpredicated full-width vectors.
+- The counters are one small int32 buffer per device, zeroed once on the first split-K call.
+  That first call must happen outside CUDA-graph capture (the engine's warm-up does it); a call
+  under capture before any eager one falls back to a single split, which is correct but slower.
+  Every split-K launch leaves the counters zero, so launches in one stream (or one graph) can
+  share them; launches on two streams at once on one device must not (the engine uses one).
+
+Configs come from a table keyed on (N, K) and an M bucket, measured on an H200 (bench_gemv.py
+--sweep); other shapes get a heuristic drawn from the same sweeps. Every config is a plain launch with no host sync, and
+the only allocations are torch.empty of fixed size per shape, so calls are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+# Largest tile grid that split-K supports: one counter per N tile.
+_MAX_COUNTERS = 1 << 16
+# Rows of the FMA path's accumulator are registers: beyond 4 rows the per-element FMAs cost more
+# than the bandwidth leaves time for.
+MAX_FMA_ROWS = 4
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = True
+
+
+@triton.jit
+def _load(ptrs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _activation(ptrs, up_offset, mask, MASKED: tl.constexpr, SILU_MUL: tl.constexpr):
+    """x, or silu(gate) * up rounded as PyTorch rounds it: silu in fp32 rounded to the input
+    dtype, then the product in fp32 rounded again."""
+    if SILU_MUL:
+        gate = _load(ptrs, mask, MASKED)
+        up = _load(ptrs + up_offset, mask, MASKED)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    else:
+        return _load(ptrs, mask, MASKED)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
+                   M, N, K, stride_xm, stride_ym, k_chunk, split_k,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, SILU_MUL: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # int64: the last row of a large lm_head (or of a K-wide x view) can pass 2**31 elements.
+    w_rows = (offs_n % N).to(tl.int64) * K
+    x_rows = (offs_m % M).to(tl.int64) * stride_xm
+    k_begin = pid_k * k_chunk
+    k_end = tl.minimum(k_begin + k_chunk, K)
+
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]
+        x_ptrs = x_ptr + x_rows[None, :] + offs_k[:, None]
+        for k in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k, eviction_policy="evict_first")
+                x = _activation(x_ptrs + k, K, None, False, SILU_MUL)
+            else:
+                k_mask = (k + offs_k) < K
+                w = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+                x = _activation(x_ptrs + k, K, k_mask[:, None], True, SILU_MUL)
+            acc = tl.dot(w, x, acc, input_precision=PRECISION)
+        res = tl.trans(acc)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w_ptrs = w_ptr + w_rows[None, :, None] + offs_k[None, None, :]
+        x_ptrs = x_ptr + x_rows[:, None, None] + offs_k[None, None, :]
+        for k in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k, eviction_policy="evict_first")
+                x = _activation(x_ptrs + k, K, None, False, SILU_MUL)
+            else:
+                k_mask = (k + offs_k) < K
+                w = tl.load(w_ptrs + k, mask=k_mask[None, None, :], other=0.0, eviction_policy="evict_first")
+                x = _activation(x_ptrs + k, K, k_mask[None, None, :], True, SILU_MUL)
+            acc += x.to(tl.float32) * w.to(tl.float32)
+        res = tl.sum(acc, axis=2)
+
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if split_k == 1:
+        tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_offs = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + part_offs, res, mask=out_mask)
+        # Every thread's partial is stored before one thread's release publishes the arrival.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, split_k):
+                # .cg: read L2, where the other programs' partials are, never a stale L1 line.
+                total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(count_ptr + pid_n, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+
+# Measured on an H200 (132 SMs, copy 4.26 TB/s) with bench_gemv.py --sweep, the winners of its
+# third run verbatim; keyed on (N, K, fused SiLU), then on the largest M of a bucket. Shapes are
+# Llama-3-8B's. What the sweeps showed: at M <= 2 the FMA path on 4- or 8-row tiles, unsplit,
+# wins everywhere (split-K never helped it); above, tensor cores over 64-row tiles with a deep
+# pipeline (6 to 8 stages) and no split win on the 4096- and 6144-row shapes, where cuBLAS
+# leaves 25 to 35 % of the bandwidth unused. With the fused SiLU, deep pipelines lose (the
+# gate and up tiles double the shared memory per stage) and 4 stages with split-K 4 win.
+_M_BUCKETS = (1, 2, 4, 8, 16)
+_TABLE: dict[tuple[int, int, bool], dict[int, GemvConfig]] = {
+    (6144, 4096, False): {1: GemvConfig(8, 256, 1, 2, 4, False), 2: GemvConfig(8, 256, 1, 2, 3, False),
+                          4: GemvConfig(64, 128, 1, 4, 6, True), 8: GemvConfig(64, 128, 1, 4, 6, True),
+                          16: GemvConfig(64, 128, 1, 4, 6, True)},
+    (4096, 4096, False): {1: GemvConfig(8, 512, 1, 2, 3, False), 2: GemvConfig(4, 512, 1, 2, 3, False),
+                          4: GemvConfig(64, 128, 1, 4, 8, True), 8: GemvConfig(64, 128, 1, 4, 8, True),
+                          16: GemvConfig(64, 128, 1, 4, 8, True)},
+    (28672, 4096, False): {1: GemvConfig(8, 1024, 1, 4, 3, False), 2: GemvConfig(4, 512, 1, 2, 3, False),
+                           4: GemvConfig(64, 128, 1, 4, 4, True), 8: GemvConfig(64, 128, 1, 4, 4, True),
+                           16: GemvConfig(128, 128, 1, 4, 3, True)},
+    (4096, 14336, False): {1: GemvConfig(8, 512, 1, 4, 3, False), 2: GemvConfig(8, 512, 1, 4, 3, False),
+                           4: GemvConfig(64, 128, 2, 4, 6, True), 8: GemvConfig(64, 128, 1, 4, 8, True),
+                           16: GemvConfig(64, 128, 1, 4, 8, True)},
+    (4096, 14336, True): {1: GemvConfig(8, 512, 1, 4, 3, False), 2: GemvConfig(8, 512, 1, 4, 3, False),
+                          4: GemvConfig(64, 128, 4, 4, 4, True), 8: GemvConfig(64, 128, 4, 4, 4, True),
+                          16: GemvConfig(64, 128, 4, 4, 4, True)},
+    (128256, 4096, False): {1: GemvConfig(8, 256, 1, 2, 4, False), 2: GemvConfig(128, 128, 1, 4, 3, True),
+                            4: GemvConfig(64, 128, 1, 4, 4, True), 8: GemvConfig(64, 128, 1, 4, 4, True),
+                            16: GemvConfig(128, 128, 1, 8, 3, True)},
+}
+
+_counters: dict[torch.device, torch.Tensor] = {}
+_sm_counts: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any number exercises the same code
+    if device not in _sm_counts:
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_counts[device]
+
+
+def _bucket(m: int) -> int:
+    return next(b for b in _M_BUCKETS if m <= b)
+
+
+def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
+    """A heuristic for shapes the table lacks (SmolLM2's, say), drawn from the first H200 sweep:
+    FMA over 8-row tiles, unsplit, for M <= 2; above, tensor cores over 64-row tiles, 4 stages,
+    split over K while the grid stays within two programs per SM and every split keeps at least
+    16 K tiles. (The later sweeps found 6 to 8 stages better on the Llama shapes; that is not
+    carried over here untested.)"""
+    if m <= 2:
+        return GemvConfig(8, min(512, max(64, triton.next_power_of_2(k))), 1, 4, 3, False)
+    block_k = 128
+    tiles = triton.cdiv(n, 64)
+    k_blocks = triton.cdiv(k, block_k)
+    split = 1
+    while tiles * split * 2 <= 2 * sms and k_blocks // (split * 2) >= 16:
+        split *= 2
+    return GemvConfig(64, block_k, split, 4, 4, True)
+
+
+def pick_config(m: int, n: int, k: int, sms: int = 132, silu_mul: bool = False) -> GemvConfig:
+    by_m = _TABLE.get((n, k, silu_mul))
+    if by_m is not None and _bucket(m) in by_m:
+        return by_m[_bucket(m)]
+    return default_config(m, n, k, sms)
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor | None:
+    buffer = _counters.get(device)
+    if buffer is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a zero-fill recorded into the graph would leave it garbage for eager calls
+        buffer = _counters[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+    return buffer
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype | None,
+            config: GemvConfig | None, silu_mul: bool, name: str) -> torch.Tensor:
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"{name} takes 2-D x and w, got {tuple(x.shape)} and {tuple(w.shape)}")
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    if m > MAX_ROWS:
+        raise ValueError(f"{name} handles at most {MAX_ROWS} rows of x, got {m}; use F.linear")
+    if x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"{name}: x has {x.shape[1]} columns, w has {k}")
+    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name}: x and w must share a dtype of bf16, fp16 or fp32, got {x.dtype}, {w.dtype}")
+    if x.stride(1) != 1 or not w.is_contiguous():
+        raise ValueError(f"{name}: x rows and w must be contiguous")
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1 or (out_dtype is not None and out.dtype != out_dtype):
+        raise ValueError(f"{name}: out must be a [{m}, {n}] row-contiguous tensor of dtype {out_dtype or out.dtype}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+
+    cfg = config or pick_config(m, n, k, _sm_count(x.device), silu_mul)
+    block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
+    if not cfg.use_dot and m > MAX_FMA_ROWS:
+        raise ValueError(f"{name}: the FMA path takes at most {MAX_FMA_ROWS} rows, got {m}")
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_blocks = triton.cdiv(k, cfg.block_k)
+    # No empty splits: every split gets ceil(blocks / split) tiles of K, the last one fewer.
+    blocks_per_split = triton.cdiv(k_blocks, max(1, min(cfg.split_k, k_blocks)))
+    split = triton.cdiv(k_blocks, blocks_per_split)
+    counters = None
+    if split > 1 and tiles <= _MAX_COUNTERS:
+        counters = _counter_buffer(x.device)
+    if counters is None:
+        # Empty stand-ins (null pointers, never dereferenced) keep the argument types of a split
+        # launch, so both share one compiled kernel.
+        split, blocks_per_split = 1, k_blocks
+        counters = torch.empty(0, dtype=torch.int32, device=x.device)
+    part = torch.empty((split if split > 1 else 0, m, n), dtype=torch.float32, device=x.device)
+    _skinny_kernel[(tiles, split)](
+        x, w, out, part, counters,
+        m, n, k, x.stride(0), out.stride(0), blocks_per_split * cfg.block_k, split,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        USE_DOT=cfg.use_dot, SILU_MUL=silu_mul, EVEN_K=k % cfg.block_k == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None, *, config: GemvConfig | None = None) -> torch.Tensor:
+    """x[M, K] @ w[N, K]^T for M <= MAX_ROWS, fp32 accumulation, result in out_dtype (default x's
+    dtype; float32 is allowed, e.g. for logits) or into `out`. x may be a row view (stride(1) == 1);
+    w must be contiguous. `config` overrides the tuned launch config (benchmarks, tests)."""
+    return _launch(x, w, out, out_dtype, config, silu_mul=False, name="skinny_linear")
+
+
+def skinny_silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                           out_dtype: torch.dtype | None = None, *,
+                           config: GemvConfig | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ w^T with gate, up = gate_up[:, :K], gate_up[:, K:] for w[N, K]: the
+    MLP's activation and down projection in one kernel, rounded like layers.silu_and_mul."""
+    return _launch(gate_up, w, out, out_dtype, config, silu_mul=True, name="skinny_silu_mul_linear")

@@ -1,0 +1,253 @@
+"""The skinny products of lab/engine/kernels/gemv.py against F.linear (and silu_and_mul +
+F.linear), ||y - ref|| / ||ref|| below 1e-2 in bf16 and 1e-5 in fp32.
+
+CPU: Triton's interpreter at small shapes (M in 1, 2, 5, 16; K not a multiple of the block; N
+odd), every launch path (FMA, tensor-core dot, split-K with its last-arriver reduction, the fused
+SiLU). `triton.jit` reads TRITON_INTERPRET when a kernel module is first imported, so all cases
+run in one child process started with the variable set (this file run as a script, which writes
+its results to a JSON file); the pytest process never runs a kernel under the interpreter.
+
+GPU (`gpu` marker, skipped without CUDA): Llama-3-8B and SmolLM2-135M shapes in bf16 with the
+tuned configs, plus split-K reproducibility and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+# Interpreter cases: (name, dtype, M, N, K, config as a GemvConfig tuple or None, options).
+# N = 37 is odd and not a multiple of any block; K = 200 is not a multiple of 64 or 32.
+_CONFIGS = {
+    "fma": (16, 64, 1, 4, 2, False),
+    "fma_split3": (16, 64, 3, 4, 2, False),
+    "dot": (16, 64, 1, 4, 2, True),
+    "dot_split4": (32, 32, 4, 4, 3, True),
+    "table": None,
+}
+INTERPRETER_CASES: list[dict[str, Any]] = []
+for _dtype in ("float32", "bfloat16"):
+    for _cfg_name, _cfg in _CONFIGS.items():
+        for _m in (1, 2, 5, 16):
+            if _cfg is not None and not _cfg[5] and _m > 4:
+                continue  # the FMA path takes at most 4 rows
+            if _cfg is None and _dtype == "float32":
+                continue  # the table's picks run the same paths as the explicit configs
+            INTERPRETER_CASES.append(dict(name=f"{_dtype}-{_cfg_name}-M{_m}", dtype=_dtype, m=_m, n=37, k=200,
+                                          config=_cfg, silu=_m in (2, 5)))
+INTERPRETER_CASES += [
+    # A row view of a wider buffer as x, float32 output into a given tensor.
+    dict(name="bfloat16-view-out-fp32", dtype="bfloat16", m=3, n=37, k=200, config=None, silu=False, view=True,
+         out_fp32=True),
+    dict(name="bfloat16-dot_split4-view-silu", dtype="bfloat16", m=3, n=37, k=200,
+         config=_CONFIGS["dot_split4"], silu=True, view=True),
+    # SmolLM2-135M's down projection (several K tiles) with the config skinny_linear picks itself.
+    dict(name="bfloat16-smollm2-down-silu", dtype="bfloat16", m=4, n=576, k=1536, config=None, silu=True),
+]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def run_case(case: dict[str, Any], device: str = "cpu", seed: int = 0) -> dict[str, float]:
+    """Relative errors of skinny_linear (and skinny_silu_mul_linear when case['silu']) against the
+    PyTorch reference computed from the same inputs."""
+    from lab.engine.kernels.gemv import GemvConfig, skinny_linear, skinny_silu_mul_linear
+    from lab.engine.layers import silu_and_mul
+
+    dtype = getattr(torch, case["dtype"])
+    m, n, k = case["m"], case["n"], case["k"]
+    config = GemvConfig(*case["config"]) if case.get("config") else None
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    w = randn(n, k)
+    if case.get("view"):
+        x = randn(m, k + 24)[:, 8:8 + k]  # stride(0) = k + 24, offset 8 elements
+    else:
+        x = randn(m, k)
+    out_dtype = torch.float32 if case.get("out_fp32") else None
+    out = torch.full((m, n), float("nan"), dtype=out_dtype or dtype, device=device) if case.get("out_fp32") else None
+    y = skinny_linear(x, w, out=out, out_dtype=out_dtype, config=config)
+    if out is not None:
+        assert y is out
+    result = {"linear": relative_error(y, F.linear(x.float(), w.float()))}
+    if case.get("silu"):
+        wide = randn(m, 2 * k + 24)
+        gate_up = wide[:, 8:8 + 2 * k] if case.get("view") else wide[:, :2 * k].contiguous()
+        y = skinny_silu_mul_linear(gate_up, w, config=config)
+        # The reference rounds silu(gate) * up to the input dtype, then multiplies in fp32.
+        result["silu"] = relative_error(y, F.linear(silu_and_mul(gate_up).float(), w.float()))
+    return result
+
+
+def _interpreter_main(path: str) -> None:
+    """Child process entry: every interpreter case, results written as JSON to `path`."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from tests.engine.kernel_cases import _patch_interpreter
+
+    torch.set_num_threads(1)
+    _patch_interpreter()  # bf16 tl.dot and fp32 -> bf16 rounding as the GPU does them
+    results = {case["name"]: run_case(case) for case in INTERPRETER_CASES}
+    Path(path).write_text(json.dumps(results))
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the interpreter
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, dict[str, float]]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "results.json"
+        proc = subprocess.run([sys.executable, __file__, str(path)], env=env, cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"interpreter child failed:\n{proc.stderr[-4000:]}")
+        return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c["name"] for c in INTERPRETER_CASES])
+def test_skinny_interpreter(interpreter_results: dict[str, dict[str, float]], case: dict[str, Any]) -> None:
+    result = interpreter_results[case["name"]]
+    for kind, err in result.items():
+        assert err < TOL[case["dtype"]], (kind, result)  # NaN fails this too
+
+
+def test_too_many_rows_raises() -> None:
+    from lab.engine.kernels.gemv import MAX_ROWS, skinny_linear, skinny_silu_mul_linear
+
+    w = torch.zeros(8, 32)
+    with pytest.raises(ValueError) as error:
+        skinny_linear(torch.zeros(MAX_ROWS + 1, 32), w)
+    assert "\n" not in str(error.value) and str(MAX_ROWS) in str(error.value)
+    with pytest.raises(ValueError):
+        skinny_silu_mul_linear(torch.zeros(MAX_ROWS + 1, 64), w)
+
+
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+             "lm_head": (128256, 4096)}
+SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+@pytest.mark.parametrize("shapes", [LLAMA3_8B, SMOLLM2], ids=["llama3-8b", "smollm2-135m"])
+def test_picked_configs_are_launchable(shapes: dict[str, tuple[int, int]]) -> None:
+    """Every M from 1 to 16 gets a config (from the table for Llama-3-8B) that the launcher
+    accepts: the FMA path only up to MAX_FMA_ROWS rows, its accumulator at most 64 fp32
+    registers per thread, power-of-two blocks."""
+    from lab.engine.kernels import gemv
+
+    for name, (n, k) in shapes.items():
+        for silu in (False, True) if name == "down" else (False,):
+            for m in range(1, gemv.MAX_ROWS + 1):
+                config = gemv.pick_config(m, n, k, 132, silu_mul=silu)
+                assert all(v & (v - 1) == 0 for v in (config.block_n, config.block_k, config.num_warps)), config
+                if not config.use_dot:
+                    assert m <= gemv.MAX_FMA_ROWS, (name, m, config)
+                    block_m = 1 << (m - 1).bit_length()
+                    assert block_m * config.block_n * config.block_k <= 64 * 32 * config.num_warps, config
+                if shapes is LLAMA3_8B:
+                    assert (n, k, silu) in gemv._TABLE
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: compiled kernels at real shapes
+
+
+@pytest.fixture(scope="module")
+def compiled() -> None:
+    from triton.runtime.jit import JITFunction
+
+    from lab.engine.kernels import gemv
+
+    assert isinstance(gemv._skinny_kernel, JITFunction), "kernels were built for the interpreter"
+
+
+def _gpu_case(shape: tuple[int, int], m: int, silu: bool) -> dict[str, Any]:
+    return dict(dtype="bfloat16", m=m, n=shape[0], k=shape[1], config=None, silu=silu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 13, 16])
+@pytest.mark.parametrize("name", list(LLAMA3_8B))
+def test_llama3_shapes_gpu(compiled: None, name: str, m: int) -> None:
+    result = run_case(_gpu_case(LLAMA3_8B[name], m, silu=name == "down"), device="cuda")
+    assert all(err < TOL["bfloat16"] for err in result.values()), result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("name", list(SMOLLM2))
+def test_smollm2_shapes_gpu(compiled: None, name: str, m: int) -> None:
+    result = run_case(_gpu_case(SMOLLM2[name], m, silu=name == "down"), device="cuda")
+    assert all(err < TOL["bfloat16"] for err in result.values()), result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c["name"] for c in INTERPRETER_CASES])
+def test_interpreter_cases_gpu(compiled: None, case: dict[str, Any]) -> None:
+    """The interpreter's cases compiled: fp32 must use IEEE dots (no tf32)."""
+    result = run_case(case, device="cuda")
+    assert all(err < TOL[case["dtype"]] for err in result.values()), result
+
+
+@pytest.mark.gpu
+def test_logits_fp32_gpu(compiled: None) -> None:
+    from lab.engine.kernels.gemv import skinny_linear
+
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    y = skinny_linear(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert relative_error(y, F.linear(x.float(), w.float())) < 1e-3  # no bf16 rounding of the output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 3, 8])
+def test_reproducible_and_graph_capturable_gpu(compiled: None, split: int) -> None:
+    """Two runs agree bit for bit (split-K sums partials in a fixed order), and a CUDA graph of
+    the call replays to the same bits, also after new inputs are copied in."""
+    from lab.engine.kernels.gemv import GemvConfig, skinny_linear, skinny_silu_mul_linear
+
+    config = GemvConfig(64, 256, split, 4, 3, True)
+    x = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(5, 2 * 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return skinny_linear(x, w, config=config), skinny_silu_mul_linear(gate_up, w, config=config)
+
+    first, second = step(), step()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        gate_up.copy_(torch.randn_like(gate_up))
+        graph.replay()
+        expected = step()
+        assert all(torch.equal(a, b) for a, b in zip(captured, expected))
+
+
+if __name__ == "__main__":
+    _interpreter_main(sys.argv[1])
