@@ -239,46 +239,115 @@ def check_rms_norm(num_tokens: int, hidden: int, dtype: str = "float32", weight_
     }
 
 
-def check_rope(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: str = "float32",
-               inplace: bool = False, max_positions: int = 4096, seed: int = 0,
-               device: str = "cpu") -> dict[str, Any]:
-    """kernels.apply_rope against layers.apply_rope, on q and k that are strided views of one
-    fused qkv projection (as the model produces them); v, next to them, must stay untouched."""
-    from lab.engine.kernels import apply_rope
+def check_rope_kv_write(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: str = "float32",
+                        cache_dtype: str | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                        block_size: int = 16, max_positions: int = 4096, seed: int = 0,
+                        device: str = "cpu") -> dict[str, Any]:
+    """kernels.rope_and_write_kv against layers.apply_rope_rows plus the reference cache write
+    (TorchAttention's write_kv; for fp8 caches x / scale, IEEE-divided and rounded by PyTorch, as
+    kv_write stores it), on q, k, v that are views of one fused qkv product. The caches are
+    NaN-poisoned; this step's slots are scattered over them and every other slot must keep its
+    poison bytes."""
+    from lab.engine.attention import write_kv
+    from lab.engine.kernels import rope_and_write_kv
 
     gen = torch.Generator(device=device).manual_seed(seed)
     torch_dtype = _dtype(dtype)
+    torch_cache_dtype = _dtype(cache_dtype) if cache_dtype else torch_dtype
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     qkv = _randn(gen, num_tokens, q_width + 2 * kv_width).to(torch_dtype)
     q = qkv[:, :q_width].view(num_tokens, num_heads, head_dim)
     k = qkv[:, q_width:q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
-    v_before = qkv[:, q_width + kv_width:].clone()
+    v = qkv[:, q_width + kv_width:].view(num_tokens, num_kv_heads, head_dim)
     positions = torch.randint(0, max_positions, (num_tokens,), generator=gen, device=device)
-    cos_sin = layers.rope_cos_sin_cache(head_dim, max_positions, 500000.0, None, device=device)
-    ref_q, ref_k = layers.apply_rope(q, k, positions, cos_sin)
-    if inplace:
-        out_q, out_k = apply_rope(q, k, positions, cos_sin, inplace=True)
-        assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    rows = layers.rope_cos_sin_cache(head_dim, max_positions, 500000.0, None, device=device)[positions]
+    ref_q, ref_k = layers.apply_rope_rows(q, k, rows)
+    v_before = v.clone()
+
+    # Two spare blocks beyond what the tokens need, and the slots in random order.
+    num_blocks = math.ceil(num_tokens / block_size) + 2
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=device)[:num_tokens]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    poison = torch.full(shape, float("nan"), device=device).to(torch_cache_dtype)
+    k_cache, v_cache, ref_k_cache, ref_v_cache = (poison.clone() for _ in range(4))
+    def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+        # IEEE division by a tensor: PyTorch divides a CUDA tensor by a Python scalar as a
+        # multiplication by its reciprocal, which rounds differently now and then.
+        return (x.float() / torch.tensor(scale, dtype=torch.float32, device=device)).to(torch_cache_dtype)
+
+    if torch_cache_dtype in FP8_DTYPES:
+        for new, cache, scale in ((ref_k, ref_k_cache, k_scale), (v, ref_v_cache, v_scale)):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = quantize(new, scale)
     else:
-        out_q = torch.full_like(ref_q, float("nan"))
-        out_k = torch.full_like(ref_k, float("nan"))
-        apply_rope(q, k, positions, cos_sin, out=(out_q, out_k))
+        write_kv(ref_k, v, ref_k_cache, ref_v_cache, slots)
+
+    out_q, out_k = rope_and_write_kv(q, k, v, rows, k_cache, v_cache, slots, k_scale, v_scale)
+
+    def at_slots(cache: torch.Tensor) -> torch.Tensor:
+        return cache.view(-1, num_kv_heads, head_dim)[slots]
+
+    def dequantized(cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return at_slots(cache).float() * scale
+
+    # The cache must hold exactly what writing the returned (rotated) k would store.
+    own_k = quantize(out_k, k_scale) if torch_cache_dtype in FP8_DTYPES else out_k.to(torch_cache_dtype)
+    others = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    others[slots] = False
     return {
-        "q_rel_err": relative_error(out_q, ref_q),
-        "k_rel_err": relative_error(out_k, ref_k),
-        "all_written": not bool(_isnan(out_q).any() or _isnan(out_k).any()),
-        "v_untouched": torch.equal(qkv[:, q_width + kv_width:], v_before),
+        "returns_views": out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(),
+        "q_rel_err": relative_error(q, ref_q),
+        "k_rel_err": relative_error(k, ref_k),
+        "k_cache_rel_err": relative_error(dequantized(k_cache, k_scale), dequantized(ref_k_cache, k_scale)),
+        "k_cache_is_returned_k": _same_bytes(at_slots(k_cache), own_k),
+        "v_cache_match": _same_bytes(at_slots(v_cache), at_slots(ref_v_cache)),
+        "all_written": not bool(_isnan(q).any() or _isnan(k).any() or _isnan(at_slots(k_cache)).any()
+                                or _isnan(at_slots(v_cache)).any()),
+        "others_untouched": all(_same_bytes(c.view(-1, num_kv_heads, head_dim)[others],
+                                            poison.view(-1, num_kv_heads, head_dim)[others])
+                                for c in (k_cache, v_cache)),
+        "v_untouched": torch.equal(v, v_before),
     }
 
 
-def check_num_splits(shapes: list[tuple[int, int, int, int]]) -> dict[str, Any]:
-    """choose_num_splits for (batch, num_kv_heads, max_context_len, num_sms) shapes."""
+def check_fp8_pairs(device: str = "cpu") -> dict[str, Any]:
+    """paged_tiles.fp8_pairs_to_f16 (the inline-PTX widening on a GPU, the integer one in the
+    interpreter) on every pair of fp8 e4m3 values but NaN, against PyTorch's fp8 -> fp16."""
+    # Module globals, not closure variables: the interpreter resolves a kernel's names in its
+    # module only. Imported here so that importing this module never imports the kernels.
+    global tl, fp8_pairs_to_f16
+    import triton
+    import triton.language as tl
+
+    from lab.engine.kernels.paged_tiles import fp8_pairs_to_f16
+
+    @triton.jit
+    def widen(words_ptr, out_ptr, n, ASM: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        low, high = fp8_pairs_to_f16(tl.load(words_ptr + offs, mask=offs < n, other=0), ASM)
+        tl.store(out_ptr + 2 * offs, low, mask=offs < n)
+        tl.store(out_ptr + 2 * offs + 1, high, mask=offs < n)
+
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    values = values[~values.float().isnan()].to(device)
+    pairs = torch.cartesian_prod(torch.arange(len(values)), torch.arange(len(values))).to(device)
+    fp8 = values[pairs.reshape(-1)].contiguous()  # low byte first, as in memory
+    out = torch.full((fp8.numel(),), float("nan"), dtype=torch.float16, device=device)
+    words = fp8.view(torch.int16)
+    widen[(triton.cdiv(words.numel(), 1024),)](words, out, words.numel(), ASM=device != "cpu", BLOCK=1024)
+    return {"exact": torch.equal(out.view(torch.int16), fp8.to(torch.float16).view(torch.int16)),
+            "pairs": words.numel()}
+
+
+def check_num_splits(shapes: list[list[int]]) -> dict[str, Any]:
+    """choose_num_splits for (batch, num_kv_heads, max_context_len, num_sms[, programs_per_sm])
+    shapes."""
     from lab.engine.kernels import choose_num_splits
 
     return {"splits": [choose_num_splits(*shape) for shape in shapes]}
 
 
-CHECKS = {f.__name__: f for f in (check_attention, check_padding_rows, check_rms_norm, check_rope, check_num_splits)}
+CHECKS = {f.__name__: f for f in (check_attention, check_padding_rows, check_rms_norm, check_rope_kv_write,
+                                  check_fp8_pairs, check_num_splits)}
 
 
 # ----------------------------------------------------------------------------------------------

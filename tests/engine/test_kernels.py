@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.engine.kernel_cases import (InterpreterWorker, check_attention, check_padding_rows, check_rms_norm,
-                                       check_rope)
+from tests.engine.kernel_cases import (InterpreterWorker, check_attention, check_fp8_pairs, check_padding_rows,
+                                       check_rms_norm, check_rope_kv_write)
 
 # ||out - ref|| / ||ref||. fp32 attention runs IEEE fp32 dots (no tf32), so 1e-4 leaves room only
 # for summation order; bf16 rounds P and the output.
@@ -108,6 +108,11 @@ def test_num_splits_heuristic(interpreter: InterpreterWorker) -> None:
     # rounds down to stay in one wave; batch 64 and up already has enough programs; MAX_SPLITS
     # bounds the rest.
     assert interpreter.run("check_num_splits", shapes=shapes)["splits"] == [33, 16, 2, 2, 1, 1, 64]
+    # Four programs per SM (the fp8 configuration): twice the splits below batch 64; batch 64 of
+    # 8 KV heads (512 programs) already fills the 528.
+    fp8 = [(1, 8, 32768, 132, 4), (16, 8, 8192, 132, 4), (32, 8, 4096, 132, 4), (64, 8, 32768, 132, 4),
+           (256, 8, 2048, 132, 4)]
+    assert interpreter.run("check_num_splits", shapes=fp8)["splits"] == [64, 4, 2, 1, 1]
 
 
 @pytest.mark.parametrize("case", [
@@ -124,17 +129,33 @@ def test_rms_norm_interpreter(interpreter: InterpreterWorker, case: dict[str, An
     assert result["residual_rel_err"] < ELEMENTWISE_TOL[case["dtype"]], result
 
 
+def assert_rope_kv_write_ok(result: dict[str, Any], dtype: str, fp8: bool) -> None:
+    assert result["returns_views"] and result["v_untouched"] and result["all_written"], result
+    assert result["others_untouched"], f"a cache slot outside slot_mapping was written: {result}"
+    # The cache holds exactly the returned k, stored as a KV write would store it, and exactly
+    # the reference's v.
+    assert result["k_cache_is_returned_k"] and result["v_cache_match"], result
+    assert max(result["q_rel_err"], result["k_rel_err"]) < ELEMENTWISE_TOL[dtype], result
+    # An ulp of difference in k can move an fp8 byte by one step (1/8 relative) now and then.
+    assert result["k_cache_rel_err"] < (1e-2 if fp8 else ELEMENTWISE_TOL[dtype]), result
+
+
 @pytest.mark.parametrize("case", [
-    pytest.param(dict(num_tokens=6, num_heads=9, num_kv_heads=3, head_dim=64, dtype="float32"), id="fp32-d64"),
-    pytest.param(dict(num_tokens=5, num_heads=8, num_kv_heads=2, head_dim=128, dtype="bfloat16", inplace=True),
-                 id="bf16-d128-inplace"),
-    pytest.param(dict(num_tokens=4, num_heads=4, num_kv_heads=4, head_dim=64, dtype="float16", inplace=True),
-                 id="fp16-d64-inplace"),
+    pytest.param(dict(num_tokens=5, num_heads=4, num_kv_heads=2, head_dim=64), id="fp32-d64"),
+    pytest.param(dict(num_tokens=7, num_heads=8, num_kv_heads=2, head_dim=128, dtype="bfloat16"), id="bf16-d128"),
+    pytest.param(dict(num_tokens=6, num_heads=6, num_kv_heads=2, head_dim=64, dtype="bfloat16",
+                      cache_dtype="float8_e4m3fn", k_scale=0.37, v_scale=1.9), id="bf16-fp8-cache-scaled"),
+    pytest.param(dict(num_tokens=4, num_heads=3, num_kv_heads=3, head_dim=64, cache_dtype="float8_e4m3fn"),
+                 id="fp32-fp8-cache"),
 ])
-def test_rope_interpreter(interpreter: InterpreterWorker, case: dict[str, Any]) -> None:
-    result = interpreter.run("check_rope", **case)
-    assert result["all_written"] and result["v_untouched"], result
-    assert max(result["q_rel_err"], result["k_rel_err"]) < ELEMENTWISE_TOL[case["dtype"]], result
+def test_rope_kv_write_interpreter(interpreter: InterpreterWorker, case: dict[str, Any]) -> None:
+    result = interpreter.run("check_rope_kv_write", **case)
+    assert_rope_kv_write_ok(result, case.get("dtype", "float32"), "cache_dtype" in case)
+
+
+def test_fp8_pairs_interpreter(interpreter: InterpreterWorker) -> None:
+    # The integer widening the interpreter runs in place of the GPU's cvt instruction.
+    assert interpreter.run("check_fp8_pairs")["exact"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,9 +234,16 @@ def test_rms_norm_gpu(compiled_kernels: None, dtype: str, hidden: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("inplace", [False, True])
-def test_rope_gpu(compiled_kernels: None, dtype: str, inplace: bool) -> None:
-    result = check_rope(8192, 32, 8, 128, dtype, inplace=inplace, max_positions=131072, device="cuda")
-    assert result["all_written"] and result["v_untouched"], result
-    assert max(result["q_rel_err"], result["k_rel_err"]) < ELEMENTWISE_TOL[dtype], result
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("cache", [None, "float8_e4m3fn"])
+def test_rope_kv_write_gpu(compiled_kernels: None, dtype: str, cache: str | None) -> None:
+    scales = dict(k_scale=0.05, v_scale=0.02) if cache else {}
+    result = check_rope_kv_write(4099, 32, 8, 128, dtype, cache_dtype=cache, max_positions=131072, device="cuda",
+                                 **scales)
+    assert_rope_kv_write_ok(result, dtype, cache is not None)
+
+
+@pytest.mark.gpu
+def test_fp8_pairs_gpu(compiled_kernels: None) -> None:
+    # The inline cvt.rn.f16x2.e4m3x2 that widens fp8 V tiles in decode attention.
+    assert check_fp8_pairs(device="cuda")["exact"]

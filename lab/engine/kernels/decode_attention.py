@@ -10,9 +10,18 @@ exp(lse_i - max) / sum. With a single split stage 1 writes the final output and 
 
 Decode is bandwidth bound: at batch 1 a sequence has only KVH (8 for Llama-3-8B) programs without
 splitting, far too few for a GPU of 132 SMs, so the split count grows until the grid holds about
-two programs per SM (`choose_num_splits`). Split boundaries are computed in the kernel from each
-sequence's own length, so correctness never depends on the split count: a CUDA graph captured
-with one count replays correctly for any context lengths.
+as many programs as fit on the SMs at once (`choose_num_splits`). Split boundaries are computed in
+the kernel from each sequence's own length, so correctness never depends on the split count: a
+CUDA graph captured with one count replays correctly for any context lengths.
+
+An fp8 cache (x / scale in float8_e4m3fn) is read at half the bytes of bf16, so each byte costs
+the SM twice the work of a bf16 byte (the same dots and softmax per token), plus the widening to
+fp16. Two things keep that work off the memory's critical path (paged_tiles): V is read as int16
+pairs and widened in registers before its layout change (Triton would otherwise read the fp8 V
+tile back from shared memory one byte per load), and the block-table lookups run one tile ahead
+so Triton double-buffers the K/V copies (PAGES_AHEAD). On an H200 (bench_kernels.py --sweep
+configs, Llama-3-8B shapes) this reads fp8 at 57-62 % of the copy bandwidth at batch 64-256 and
+1K-32K contexts, against 43-49 % before; bf16 reads at 89-106 %.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          block_size, head_dim,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         DOT_FP16: tl.constexpr):
+                         DOT_FP16: tl.constexpr, V_FP8_PAIRS: tl.constexpr, FP8_ASM: tl.constexpr,
+                         PAGES_AHEAD: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -67,7 +77,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr,
                                  block_tables_ptr + seq * stride_table, kv_head * stride_cache_head,
                                  start, end, qk_scale, stride_cache_block, stride_cache_slot, block_size,
-                                 dims, dim_mask, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                                 dims, dim_mask, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                                 BLOCK_D=BLOCK_D, V_FP8_PAIRS=V_FP8_PAIRS, FP8_ASM=FP8_ASM,
+                                 PAGES_AHEAD=PAGES_AHEAD)
     # An empty split (or a padding row with no context) has l_i == 0: it stores zeros and
     # lse = -inf, which the merge weighs by zero.
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
@@ -103,12 +115,14 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
-    """Splits per sequence so that batch * KVH * splits fills, without exceeding, two programs per
-    SM (one wave: a second, partial wave costs as much as the first), without splits shorter than
-    MIN_TOKENS_PER_SPLIT. Batch 1 of Llama-3-8B at 32K on an H200 (132 SMs): 33 splits of ~1K
-    tokens; batch 17 and up: 1 split (the grid already has 136+ programs)."""
-    wanted = 2 * num_sms // (batch * num_kv_heads)
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int,
+                      programs_per_sm: int = 2) -> int:
+    """Splits per sequence so that batch * KVH * splits fills, without exceeding, `programs_per_sm`
+    programs per SM (one wave: a second, partial wave costs as much as the first), without splits
+    shorter than MIN_TOKENS_PER_SPLIT. Batch 1 of Llama-3-8B at 32K on an H200 (132 SMs), two
+    programs per SM (bf16): 33 splits of ~1K tokens; batch 17 and up: 1 split (the grid already
+    has 136+ programs). Four per SM (fp8, FP8_PROGRAMS_PER_SM): 64 splits at batch 1."""
+    wanted = programs_per_sm * num_sms // (batch * num_kv_heads)
     useful = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
@@ -118,16 +132,38 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def _fp8_asm(device: torch.device) -> bool:
+    """Whether fp8 widens through inline PTX (cvt.rn.f16x2.e4m3x2 needs sm_89 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# Programs of the fp8 configuration that fit on one SM at once (Triton 3.6, sm_90: 104-107
+# registers a thread, 55 KB of shared memory a program); the split heuristic fills them. At batch
+# 1 / 32K on an H200 its 64 splits ran in 36 us against 42 us with 33.
+FP8_PROGRAMS_PER_SM = 4
+
+
 def _launch_config(device: torch.device, num_splits: int, cache_dtype: torch.dtype) -> dict[str, int]:
     if device.type != "cuda":
-        # Interpreter (tests): small tiles so short test contexts still span several tiles.
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    # Measured on an H200 with Triton 3.6 (bench_kernels.py --sweep decode), Llama-3-8B shapes.
-    # Triton does not software-pipeline these gathered loads (no async copies in the loop), so
-    # latency is hidden by programs per SM and bytes per tile. Many programs (no split, large
-    # batch): 64-token tiles read at ~100% of copy bandwidth, 128 lose 2-5%. Few programs (split,
-    # small batch) and fp8 tiles (half the bytes): 128-token tiles, 11-18% faster than 64.
-    block_n = 128 if num_splits > 1 or cache_dtype in FP8_DTYPES else 64
+        # Interpreter (tests): small tiles so short test contexts still span several tiles; the
+        # fp8 path's loop (pages looked up ahead) for every cache, so the tests cover it.
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PAGES_AHEAD": True}
+    # Measured on an H200 with Triton 3.6 (bench_kernels.py --sweep decode / --sweep configs),
+    # Llama-3-8B shapes. Triton pipelines the K/V loads as asynchronous copies but, with the
+    # block-table lookup in the same loop step, into a single buffer: a program has nothing in
+    # flight while it computes, and latency is hidden by programs per SM and bytes per tile.
+    # bf16, many programs (no split, large batch): 64-token tiles read at 89-106 % of the copy
+    # bandwidth, 128 lose 2-5 %; few programs (split, small batch): 128-token tiles. Looking the
+    # pages up ahead (double-buffered copies) made bf16 2.5-3.4 % slower (geometric mean over the
+    # sweep's shapes). fp8 (twice the work per byte): pages ahead, 64-token tiles, 3 stages (two
+    # buffers), four programs per SM: 57-62 % of the copy bandwidth at batch 64-256 (1K-32K).
+    # Geometric-mean time of the alternatives, each at its best split count: 128-token tiles
+    # (with or without pages ahead) 1.05x, 32-token tiles with 4 buffers 1.12x, 64-token tiles
+    # with 3 buffers 1.16x, a 96-register cap 1.18x, fp8 read as Triton lowers it 1.22x, 8 warps
+    # 1.27x. (128-token tiles with 2 splits were 6 % faster at batch 64 / 32K only.)
+    if cache_dtype in FP8_DTYPES:
+        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PAGES_AHEAD": True}
+    block_n = 128 if num_splits > 1 else 64
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
 
 
@@ -139,7 +175,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     through `block_tables` ([B, max_blocks]) from caches [num_blocks, block_size, KVH, D] (model
     dtype, or fp8 holding x / scale). Returns `out` ([B, H, D], q's dtype; may be a view).
     `max_context_len` only sizes the split count (defaults to the block table's capacity).
-    `config` overrides the launch configuration (BLOCK_N, num_warps, num_stages), for tuning."""
+    `config` overrides entries of the launch configuration, for tuning: BLOCK_N, num_warps,
+    num_stages, PAGES_AHEAD (look block-table entries up a tile ahead), V_FP8_PAIRS (False: widen
+    an fp8 V tile the way Triton does by itself), maxnreg (register cap)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
@@ -154,8 +192,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         if max_context_len is None:
             max_context_len = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
-    config = config or _launch_config(q.device, num_splits, k_cache.dtype)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device),
+                                       FP8_PROGRAMS_PER_SM if k_cache.dtype in FP8_DTYPES else 2)
+    config = {**_launch_config(q.device, num_splits, k_cache.dtype), **(config or {})}
+    dot_fp16 = dot_in_fp16(q.dtype, k_cache.dtype)
     direct = num_splits == 1
     if direct:
         part_out = part_lse = out  # unused: stage 1 writes the output itself
@@ -163,6 +203,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
+    # fp8 V as int16 pairs: every pair offset is even when head_dim is the tile width and the
+    # cache is aligned (its strides are multiples of head_dim).
+    v_pairs = dot_fp16 and block_d == head_dim and v_cache.data_ptr() % 4 == 0 and config.get("V_FP8_PAIRS", True)
+    extra = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * k_scale * math.log2(math.e), float(v_scale), num_splits,
@@ -170,8 +214,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, head_dim,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d,
-        DIRECT=direct, DOT_PRECISION=dot_precision(q.dtype), DOT_FP16=dot_in_fp16(q.dtype, k_cache.dtype),
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        DIRECT=direct, DOT_PRECISION=dot_precision(q.dtype), DOT_FP16=dot_fp16, V_FP8_PAIRS=v_pairs,
+        FP8_ASM=_fp8_asm(q.device), PAGES_AHEAD=config.get("PAGES_AHEAD", False),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **extra,
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
