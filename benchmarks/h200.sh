@@ -3,7 +3,7 @@
 # (bf16 KV, then fp8 KV), the GPU tests, and dummy:smollm2-135m. Each stage has its own time
 # limit and writes under $OUT, so one failing stage still leaves the others' figures.
 #   usage (device command): bash benchmarks/h200.sh COMMIT [STAGE ...]
-#   stages: bf16 fp8 tests smollm2 (default: all four)
+#   stages: bf16 fp8 tests kernels smollm2 (default: all five)
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -14,7 +14,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 commit=${1:-unknown}
 shift || true
-stages=${*:-bf16 fp8 tests smollm2}
+stages=${*:-bf16 fp8 tests kernels smollm2}
 { echo "commit $commit"; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv;
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } > "$OUT/env.txt" 2>&1
 big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-batched-tokens 8192
@@ -27,8 +27,10 @@ for stage in $stages; do
     fp8) timeout 80 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
             --concurrency 32 --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" \
             > "$OUT/llama3_8b_fp8.txt" 2>&1 ;;
-    tests) timeout 110 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py \
-            > "$OUT/gpu_tests.txt" 2>&1 ;;
+    tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
+            tests/engine/test_kernels.py tests/engine/test_kernel_gemv.py > "$OUT/gpu_tests.txt" 2>&1 ;;
+    kernels) { timeout 90 python3 -m lab.engine.kernels.bench_gemv; timeout 90 python3 -m lab.engine.kernels.bench_kernels; } \
+            > "$OUT/kernels.txt" 2>&1 ;;
     smollm2) timeout 80 python3 -m lab.engine bench --model dummy:smollm2-135m --dtype bfloat16 \
             --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 256 --prompt-tokens 1024 \
             --decode-tokens 64 --concurrency 32 --prefill-lengths 2048,8000 --repeats 2 --throughput 64,256 \

@@ -18,9 +18,10 @@ class AttentionBackend(Protocol):
     name: str
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write this step's K/V ([T, KVH, D]) into the caches, then return attention output
-        [T, H, D] for queries q ([T, H, D])."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_written: bool = False) -> torch.Tensor:
+        """Write this step's K/V ([T, KVH, D]) into the caches (unless a fused kernel already
+        did), then return attention output [T, H, D] for queries q ([T, H, D])."""
         ...
 
 
@@ -101,8 +102,10 @@ class TorchAttention:
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_written: bool = False) -> torch.Tensor:
+        if not kv_written:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         nd = meta.num_decodes

@@ -50,6 +50,8 @@ class EngineConfig:
     max_waiting: int = _knob(1024, "requests allowed to wait for a slot; beyond it new requests get 503")
     attention_backend: str = _knob("auto", "attention implementation (auto = triton on CUDA, torch on CPU)",
                                    ("auto", "torch", "triton"))
+    gemv_backend: str = _knob("auto", "matrix products of decode steps (at most 16 rows): auto = the Triton "
+                              "skinny kernels when attention is triton, torch = cuBLAS", ("auto", "triton", "torch"))
     cuda_graphs: bool = _knob(True, "capture decode steps as CUDA graphs (CUDA only)")
     cuda_graph_max_batch_size: int = _knob(256, "largest decode batch captured as a CUDA graph")
     overlap_decode: str = _knob("auto", "queue each decode step on the device before reading the previous "

@@ -56,16 +56,10 @@ def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, scaling:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout.
-    q: [T, H, D], k: [T, KVH, D], positions: [T]. Returns new tensors in q's dtype."""
-    return apply_rope_rows(q, k, cos_sin_cache.index_select(0, positions))
-
-
 def apply_rope_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`apply_rope` with the cos|sin rows of each token already gathered ([T, D]): a forward pass
-    gathers them once and reuses them in every layer."""
+    """Rotary embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout. q: [T, H, D],
+    k: [T, KVH, D]; `rows` holds each token's cos|sin row ([T, D], gathered once per forward pass
+    and reused by every layer). Returns new tensors in q's dtype."""
     cos, sin = rows.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -40,9 +40,15 @@ class LayerWeights:
 
 @dataclass
 class Ops:
-    """The elementwise implementations a model uses; `layers` is the reference."""
+    """The kernels a model uses beside its attention; the defaults (`layers`, `F.linear`) are the
+    reference. A backend may add kernels for decode-sized products (`skinny_*`, used for products
+    of at most `skinny_rows` rows) and one that applies RoPE and writes the KV cache together."""
     rms_norm: Callable = layers.rms_norm
     apply_rope_rows: Callable = layers.apply_rope_rows
+    skinny_rows: int = 0
+    skinny_linear: Callable | None = None  # (x, w, out_dtype=None) -> x @ w.T
+    skinny_silu_mul_linear: Callable | None = None  # (gate_up, w) -> silu_and_mul(gate_up) @ w.T
+    rope_write_kv: Callable | None = None  # (q, k, v, rows, k_cache, v_cache, slots) -> rotated q, k
 
 
 class Model:
@@ -84,13 +90,27 @@ class Model:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rows = x.shape[0]
+        ops = self.ops
+        if ops.skinny_linear is not None and rows <= ops.skinny_rows:
+            y = ops.skinny_linear(x, w, out_dtype=out_dtype)
+            return y.add_(bias) if bias is not None else y
         if not self.on_cpu or rows > CPU_NARROW_ROWS:
-            return F.linear(x, w, bias)
-        xt = (x if rows > 1 else x.repeat(2, 1)).t()  # a real second row: a stride-0 view is slow
-        y = (w @ xt).t()[:rows].contiguous()
-        return y.add_(bias) if bias is not None else y
+            y = F.linear(x, w, bias)
+        else:
+            xt = (x if rows > 1 else x.repeat(2, 1)).t()  # a real second row: a stride-0 view is slow
+            y = (w @ xt).t()[:rows].contiguous()
+            y = y.add_(bias) if bias is not None else y
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate_up = self.linear(h, layer.gate_up)
+        ops = self.ops
+        if ops.skinny_silu_mul_linear is not None and h.shape[0] <= ops.skinny_rows:
+            return ops.skinny_silu_mul_linear(gate_up, layer.down)
+        return self.linear(layers.silu_and_mul(gate_up), layer.down)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,16 +132,21 @@ class Model:
             h, residual = self.ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
             qkv = self.linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.ops.apply_rope_rows(q.view(t, cfg.num_heads, cfg.head_dim),
-                                            k.view(t, cfg.num_kv_heads, cfg.head_dim), rope_rows)
-            attn = self.attention.forward(q, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache,
-                                          meta, self.scale)
+            q = q.view(t, cfg.num_heads, cfg.head_dim)
+            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            if self.ops.rope_write_kv is not None:
+                q, k = self.ops.rope_write_kv(q, k, v, rope_rows, k_cache, v_cache, meta.slot_mapping)
+                attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True)
+            else:
+                q, k = self.ops.apply_rope_rows(q, k, rope_rows)
+                attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
             hidden = self.linear(attn.view(t, self.q_size), layer.o)
             h, residual = self.ops.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
-            hidden = self.linear(layers.silu_and_mul(self.linear(h, layer.gate_up)), layer.down)
+            hidden = self.mlp(h, layer)
         hidden, _ = self.ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits, whatever the model dtype, so sampling and logprobs are stable."""
-        return self.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head, out_dtype=torch.float32)

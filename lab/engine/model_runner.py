@@ -42,23 +42,32 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
     return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype
 
 
-def make_backends(config: EngineConfig, device: torch.device) -> tuple[AttentionBackend, Ops]:
+def make_backends(config: EngineConfig, device: torch.device, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> tuple[AttentionBackend, Ops]:
     choice = config.attention_backend
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "torch"
+    if config.gemv_backend == "triton" and choice != "triton":
+        raise ConfigError("--gemv-backend triton needs --attention-backend triton on --device cuda")
     if choice == "torch":
         return TorchAttention(), Ops()
     if device.type != "cuda":
         raise ConfigError("--attention-backend triton needs --device cuda (use torch on the CPU)")
-    from lab.engine.kernels import rmsnorm, rope
+    from lab.engine.kernels import gemv, rmsnorm
+    from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.triton_attention import TritonAttention
 
-    def rope_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # The rows are already gathered per token, so token t reads row t. In place: q and k are
-        # views of this layer's qkv product, which nothing else reads.
-        return rope.apply_rope(q, k, torch.arange(q.shape[0], device=q.device), rows, inplace=True)
+    def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # In place: q and k are views of this layer's qkv product, which nothing else reads.
+        return rope_and_write_kv(q, k, v, rows, k_cache, v_cache, slots, k_scale, v_scale)
 
-    return TritonAttention(), Ops(rms_norm=rmsnorm.rms_norm, apply_rope_rows=rope_rows)
+    ops = Ops(rms_norm=rmsnorm.rms_norm, rope_write_kv=rope_write_kv)
+    if config.gemv_backend != "torch":
+        ops.skinny_rows = gemv.MAX_ROWS
+        ops.skinny_linear = gemv.skinny_linear
+        ops.skinny_silu_mul_linear = gemv.skinny_silu_mul_linear
+    return TritonAttention(k_scale, v_scale), ops
 
 
 @dataclass

@@ -30,8 +30,9 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+                out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
+        if not kv_written:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if out is None:
             # Contiguous whatever q's strides (q may be a view of the fused qkv product).
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,0 +1,100 @@
+"""The model wired with the CUDA path's kernels (Triton attention, fused RMSNorm, fused RoPE +
+KV write, skinny GEMV with the SiLU fused into the down projection, float32 logits straight from
+the kernel) against the same model on the PyTorch reference path, step by step: one prefill step
+of three prompts (products of more than 16 rows: F.linear), then decode steps of three rows
+(the skinny kernels). On the CPU under Triton's interpreter, in a child process (see
+test_kernels.py for why), with `dummy:tiny` weights in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = (5, 12, 20)  # prompt lengths; contexts cross 16-token blocks
+DECODE_STEPS = 3
+BLOCK = 16
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def _compare_steps() -> list[float]:
+    from lab.engine.attention import TorchAttention
+    from lab.engine.attention_metadata import build_metadata
+    from lab.engine.kernels import gemv, rmsnorm
+    from lab.engine.kernels.rope_kv_write import rope_and_write_kv
+    from lab.engine.loader import load_model
+    from lab.engine.model import Model, Ops
+    from lab.engine.triton_attention import TritonAttention
+
+    def build(attention, ops: Ops | None) -> tuple[Model, list[tuple[torch.Tensor, torch.Tensor]]]:
+        loaded = load_model("dummy:tiny", torch.float32, "cpu", seed=0)
+        mc = loaded.config
+        model = Model(mc, loaded.weights, attention, max_positions=256, ops=ops)
+        cache = torch.zeros(mc.num_layers, 2, 4 * len(PROMPTS) + 1, BLOCK, mc.num_kv_heads, mc.head_dim)
+        return model, [(cache[i, 0], cache[i, 1]) for i in range(mc.num_layers)]
+
+    ops = Ops(rms_norm=rmsnorm.rms_norm, rope_write_kv=rope_and_write_kv, skinny_rows=gemv.MAX_ROWS,
+              skinny_linear=gemv.skinny_linear, skinny_silu_mul_linear=gemv.skinny_silu_mul_linear)
+    fast, fast_kv = build(TritonAttention(), ops)
+    ref, ref_kv = build(TorchAttention(), None)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in PROMPTS]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(seqs))]
+    errors = []
+    computed = [0] * len(seqs)
+    for step in range(DECODE_STEPS + 1):
+        ids, positions, qlens = [], [], []
+        for i, s in enumerate(seqs):
+            new = s[computed[i]:]
+            ids += new
+            positions += range(computed[i], len(s))
+            qlens.append(len(new))
+        ctx = [len(s) for s in seqs]
+        meta = build_metadata(qlens, ctx, tables, BLOCK, num_decodes=len(seqs) if step else 0)
+        ids_t, pos_t = torch.tensor(ids), torch.tensor(positions)
+        last = torch.tensor(qlens).cumsum(0) - 1
+        want = ref.logits(ref.forward(ids_t, pos_t, meta, ref_kv)[last])
+        got = fast.logits(fast.forward(ids_t, pos_t, meta, fast_kv)[last])
+        assert got.dtype == torch.float32
+        errors.append(_relative_error(got, want))
+        for i, s in enumerate(seqs):
+            computed[i] = len(s)
+            s.append(int(want[i].argmax()))
+    return errors
+
+
+def _interpreter_main(path: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    Path(path).write_text(json.dumps(_compare_steps()))
+
+
+def test_triton_ops_model_matches_reference_under_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "errors.json"
+        proc = subprocess.run([sys.executable, __file__, str(path)], env=env, cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        errors = json.loads(path.read_text())
+    assert len(errors) == DECODE_STEPS + 1
+    # fp32 throughout: only summation order differs.
+    assert max(errors) < 1e-4, errors
+
+
+if __name__ == "__main__":
+    _interpreter_main(sys.argv[1])
