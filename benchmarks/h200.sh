@@ -21,10 +21,10 @@ big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-b
      --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --throughput-tokens 1024)
 for stage in $stages; do
   case $stage in
-    bf16) timeout 260 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
+    bf16) timeout 330 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
             --concurrency 32 --repeats 2 --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" \
             > "$OUT/llama3_8b_bf16.txt" 2>&1 ;;
-    fp8) timeout 80 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
+    fp8) timeout 120 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
             --concurrency 32 --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" \
             > "$OUT/llama3_8b_fp8.txt" 2>&1 ;;
     tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
