@@ -3,7 +3,7 @@
 # (bf16 KV, then fp8 KV), the GPU tests, and dummy:smollm2-135m. Each stage has its own time
 # limit and writes under $OUT, so one failing stage still leaves the others' figures.
 #   usage (device command): bash benchmarks/h200.sh COMMIT [STAGE ...]
-#   stages: bf16 fp8 tests kernels smollm2 (default: all five)
+#   stages: bf16 fp8 tests kernels smollm2 (default: all five); bf16-noref is bf16 without transformers
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -23,6 +23,9 @@ for stage in $stages; do
   case $stage in
     bf16) timeout 330 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
             --concurrency 32 --repeats 2 --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" \
+            > "$OUT/llama3_8b_bf16.txt" 2>&1 ;;
+    bf16-noref) timeout 200 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
+            --concurrency 32 --repeats 2 --reference none --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" \
             > "$OUT/llama3_8b_bf16.txt" 2>&1 ;;
     fp8) timeout 120 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
             --concurrency 32 --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" \
