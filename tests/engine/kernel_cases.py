@@ -354,17 +354,33 @@ CHECKS = {f.__name__: f for f in (check_attention, check_padding_rows, check_rms
 # The interpreter worker
 
 
+def interpreter_env() -> dict[str, str]:
+    """This process's environment plus TRITON_INTERPRET=1 and the repository on PYTHONPATH."""
+    return dict(os.environ, TRITON_INTERPRET="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def run_script_under_interpreter(script: str, timeout: float = 300) -> Any:
+    """Run a test file as a script in a child with TRITON_INTERPRET=1 (its `__main__` writes JSON
+    to the path given as its argument) and return what it wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "results.json"
+        proc = subprocess.run([sys.executable, script, str(path)], env=interpreter_env(), cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"interpreter child failed:\n{proc.stderr[-4000:]}")
+        return json.loads(path.read_text())
+
+
 class InterpreterWorker:
     """A child Python that runs `CHECKS` under TRITON_INTERPRET=1, one JSON request per line on
     its stdin, one JSON reply per line on a protocol pipe. One process serves a whole test
     module, so torch and triton are imported once (a few seconds) rather than per case."""
 
     def __init__(self) -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._stderr, env=env, cwd=REPO_ROOT, text=True)
+                                      stderr=self._stderr, env=interpreter_env(), cwd=REPO_ROOT, text=True)
 
     def run(self, check: str, **kwargs: Any) -> dict[str, Any]:
         assert self._proc.stdin is not None and self._proc.stdout is not None

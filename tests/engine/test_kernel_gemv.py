@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 
 # Interpreter cases: (name, dtype, M, N, K, config as a GemvConfig tuple or None, options).
@@ -115,15 +112,9 @@ def _interpreter_main(path: str) -> None:
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict[str, float]]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "results.json"
-        proc = subprocess.run([sys.executable, __file__, str(path)], env=env, cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"interpreter child failed:\n{proc.stderr[-4000:]}")
-        return json.loads(path.read_text())
+    from tests.engine.kernel_cases import run_script_under_interpreter
+
+    return run_script_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c["name"] for c in INTERPRETER_CASES])

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = (5, 12, 20)  # prompt lengths; contexts cross 16-token blocks
 DECODE_STEPS = 3
 BLOCK = 16
@@ -83,14 +80,9 @@ def _interpreter_main(path: str) -> None:
 
 def test_triton_ops_model_matches_reference_under_interpreter() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "errors.json"
-        proc = subprocess.run([sys.executable, __file__, str(path)], env=env, cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        errors = json.loads(path.read_text())
+    from tests.engine.kernel_cases import run_script_under_interpreter
+
+    errors = run_script_under_interpreter(__file__)
     assert len(errors) == DECODE_STEPS + 1
     # fp32 throughout: only summation order differs.
     assert max(errors) < 1e-4, errors
