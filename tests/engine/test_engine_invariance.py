@@ -154,3 +154,21 @@ def test_overlapped_decode_stops_and_sampling(prompts) -> None:
     off, on = outcome("off"), outcome("on")
     assert on == off
     assert {r[2] for r in off} == {"stop", "length"}
+
+
+def test_overlapped_decode_registers_generated_blocks_for_the_next_turn(prompts) -> None:
+    """Blocks filled during overlapped decode hold tokens that were placeholders when their step
+    was queued; they must be hashed with the real tokens, so a next turn that resends the answer
+    hits them, and its output matches the engine without overlap."""
+    first = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    outcomes = {}
+    for mode in ("off", "on"):
+        llm = LLM("smollm2-135m", overlap_decode=mode)
+        prompt = llm.encode(prompts[3])
+        answer = llm.generate([prompt], first)[0].token_ids
+        follow_up = prompt + answer + llm.encode(" And then?")
+        second = llm.generate([follow_up], GREEDY)[0]
+        outcomes[mode] = (answer, second.token_ids, second.num_cached_tokens)
+        # Every full block of prompt + answer but the last position's is reused.
+        assert second.num_cached_tokens == (len(prompt) + len(answer) - 1) // 16 * 16
+    assert outcomes["on"] == outcomes["off"]
