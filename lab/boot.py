@@ -88,6 +88,18 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def alive_after(self, grace_s: float) -> bool:
+        """Alive once `grace_s` has passed or it has exited, whichever comes first: a process
+        that dropped a connection by exiting may still be running when the client sees the
+        connection close, for the moment the kernel takes to tear it down."""
+        if self.proc is None:
+            return False
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            return True
+        return False
+
     def elapsed_s(self) -> float:
         return (time.perf_counter_ns() - self.started_ns) / 1e9
 

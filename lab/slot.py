@@ -27,6 +27,8 @@ from lab.store import reader, writer
 from lab.store.db import Store
 
 log = logging.getLogger("lab.run")
+# How long an engine gets to show its exit after a step whose requests failed (see alive_after).
+DEATH_GRACE_S = 2.0
 
 
 class Interrupted(BaseException):
@@ -160,7 +162,10 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
                 result, error = asyncio.run(instrument.run_step(ctx, step)), None
             except Exception as exc:  # an instrument's failure is recorded on its step; the boot goes on
                 result, error = None, f"{type(exc).__name__}: {exc}"
-            died = None if proc.alive() else f"engine exited with status {proc.exit_status()} during {name} {step.key}"
+            # A failed request may be the engine going away: then give its exit a moment to show.
+            failed = error is not None or (result is not None and any(r.error for r in result.receipts))
+            alive = proc.alive_after(DEATH_GRACE_S) if failed else proc.alive()
+            died = None if alive else f"engine exited with status {proc.exit_status()} during {name} {step.key}"
             if error and died:
                 return died  # the step failed because the engine went away: not the instrument's result
             if error:

@@ -10,8 +10,10 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -54,6 +56,10 @@ def main() -> None:
                 self._send(200, {"object": "list", "data": [{"id": args.model, "seqs": args.seqs}]})
             elif self.path == "/v1/stats" and args.die_on_stats:
                 print("stub engine: dying on /v1/stats as asked", flush=True)
+                # Hang up first and exit a moment later, as a real process tearing down does: the
+                # lab sees the connection drop while the engine is still alive.
+                self.connection.shutdown(socket.SHUT_RDWR)
+                time.sleep(0.5)
                 os._exit(3)
             else:
                 self._send(404, {"error": {"message": "not found"}})
