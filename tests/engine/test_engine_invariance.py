@@ -92,19 +92,13 @@ def test_seeded_sampling_ignores_batch(prompts) -> None:
 # -- overlapped decode: tokens read one step late, the next step queued first ------------------
 
 
-def test_overlapped_decode_matches(prompts, alone) -> None:
-    got, llm = run(prompts, overlap_decode="on", max_num_batched_tokens=512)
-    assert got == alone
-    # Most of the 20 x 19 decode steps' worth of work really was queued behind a running step.
-    assert llm.engine.counters.overlapped_steps > 10
-    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.has_unfinished()
-
-
 def test_overlapped_decode_under_preemption(prompts, alone) -> None:
     got, llm = run(prompts, overlap_decode="on", max_model_len=512, num_kv_blocks=34)
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == alone
-    assert llm.engine.blocks.num_used_blocks == 0
+    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.has_unfinished()
+    # Most decode steps really were queued behind a running step, preemptions notwithstanding.
+    assert llm.engine.counters.overlapped_steps > 10
 
 
 def test_overlapped_decode_with_staggered_arrivals_and_aborts(prompts, alone) -> None:
