@@ -176,10 +176,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for seq, token in zip(inflight.seqs, inflight.read_tokens()):
             if seq.is_finished:
-                continue  # aborted while its step ran
+                continue  # aborted, or stopped by its previous token, while this step ran
             seq.resolve_pending(token)
             self.blocks.register_full_blocks(seq)
-            outputs.append(self._on_sampled(seq, token, None))
+            outputs.append(self._on_sampled(seq, None))
         return outputs
 
     def _run_sync(self, plan: SchedulerOutput) -> list[RequestOutput]:
@@ -208,10 +208,11 @@ class LLMEngine:
                 continue
             token, lp = result.sampled[seq.seq_id]
             seq.token_ids.append(token)
-            outputs.append(self._on_sampled(seq, token, lp))
+            outputs.append(self._on_sampled(seq, lp))
         return outputs
 
-    def _on_sampled(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
+    def _on_sampled(self, seq: Sequence, lp: TokenLogprob | None) -> RequestOutput:
+        """Account for the token just made known on `seq` (its logprob when asked for)."""
         if lp is not None:
             seq.logprobs.append(lp)
         if seq.first_token_time is None:

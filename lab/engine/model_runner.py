@@ -42,8 +42,7 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
     return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype
 
 
-def make_backends(config: EngineConfig, device: torch.device, k_scale: float = 1.0,
-                  v_scale: float = 1.0) -> tuple[AttentionBackend, Ops]:
+def make_backends(config: EngineConfig, device: torch.device) -> tuple[AttentionBackend, Ops]:
     choice = config.attention_backend
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "torch"
@@ -57,17 +56,19 @@ def make_backends(config: EngineConfig, device: torch.device, k_scale: float = 1
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.triton_attention import TritonAttention
 
+    attention = TritonAttention()
+
     def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # In place: q and k are views of this layer's qkv product, which nothing else reads.
-        return rope_and_write_kv(q, k, v, rows, k_cache, v_cache, slots, k_scale, v_scale)
+        return rope_and_write_kv(q, k, v, rows, k_cache, v_cache, slots, attention.k_scale, attention.v_scale)
 
     ops = Ops(rms_norm=rmsnorm.rms_norm, rope_write_kv=rope_write_kv)
     if config.gemv_backend != "torch":
         ops.skinny_rows = gemv.MAX_ROWS
         ops.skinny_linear = gemv.skinny_linear
         ops.skinny_silu_mul_linear = gemv.skinny_silu_mul_linear
-    return TritonAttention(k_scale, v_scale), ops
+    return attention, ops
 
 
 @dataclass
