@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,10 @@ def _schema_version(store: Store) -> str:
             return session.get_one(Meta, "schema_version").value
 
 
-def _create_tables(store: Store, attempts: int = 5) -> None:
-    """Create missing tables; another process creating them at the same moment is not an error."""
+def _create_tables(store: Store, attempts: int = 8) -> None:
+    """Create missing tables; another process creating them at the same moment is not an error.
+    SQLite commits each CREATE TABLE on its own, so a creator that lost a race waits a little
+    for the other to finish its schema before looking again (retrying at once loses again)."""
     for attempt in range(attempts):
         try:
             Base.metadata.create_all(store.engine)
@@ -92,3 +95,4 @@ def _create_tables(store: Store, attempts: int = 5) -> None:
         except OperationalError as exc:
             if "already exists" not in str(exc) or attempt == attempts - 1:
                 raise
+            time.sleep(0.05 * (attempt + 1))

@@ -96,3 +96,23 @@ def test_db_takes_a_path_or_a_url_and_refuses_another_schema(tmp_path) -> None:
     store.close()
     with pytest.raises(StoreError, match="has store schema 0"):
         open_store(str(tmp_path / "v.db"))
+
+
+def test_processes_creating_one_new_store_at_once_all_open_it(tmp_path) -> None:
+    """`lab run` creates its store while `lab ls` (or a test) may open it: SQLite commits each
+    CREATE TABLE on its own, so concurrent creators see each other's half-made schema."""
+    import subprocess
+    import sys
+
+    import time
+
+    # Each process imports first, then waits for one shared start time, so they really collide.
+    opener = ("import sys, time; from lab.store.db import open_store; "
+              "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); open_store(sys.argv[1]).close()")
+    for i in range(3):
+        db = tmp_path / f"race-{i}.db"
+        start = str(time.time() + 4)
+        procs = [subprocess.Popen([sys.executable, "-c", opener, str(db), start], stderr=subprocess.PIPE)
+                 for _ in range(6)]
+        errors = [p.communicate(timeout=120)[1].decode() for p in procs]
+        assert [p.returncode for p in procs] == [0] * 6, "\n".join(e for e in errors if e)[-2000:]
