@@ -3,7 +3,8 @@
 # (bf16 KV, then fp8 KV), the GPU tests, and dummy:smollm2-135m. Each stage has its own time
 # limit and writes under $OUT, so one failing stage still leaves the others' figures.
 #   usage (device command): bash benchmarks/h200.sh COMMIT [STAGE ...]
-#   stages: bf16 fp8 tests kernels smollm2 (default: all five); bf16-noref is bf16 without transformers
+#   stages: bf16 fp8 tests kernels smollm2 (default: all five); bf16-noref is bf16 without transformers;
+#   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B)
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -27,6 +28,8 @@ for stage in $stages; do
     bf16-noref) timeout 200 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
             --concurrency 32 --repeats 2 --reference none --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" \
             > "$OUT/llama3_8b_bf16.txt" 2>&1 ;;
+    decode) timeout 120 python3 -m lab.engine bench "${big[@]}" --prefill-lengths "" --concurrency 32 --repeats 3 \
+            --reference none --json "$OUT/llama3_8b_decode.json" > "$OUT/llama3_8b_decode.txt" 2>&1 ;;
     fp8) timeout 120 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
             --concurrency 32 --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" \
             > "$OUT/llama3_8b_fp8.txt" 2>&1 ;;

@@ -46,8 +46,10 @@ class Ops:
     rms_norm: Callable = layers.rms_norm
     apply_rope_rows: Callable = layers.apply_rope_rows
     skinny_rows: int = 0
-    skinny_linear: Callable | None = None  # (x, w, out_dtype=None) -> x @ w.T
-    skinny_silu_mul_linear: Callable | None = None  # (gate_up, w) -> silu_and_mul(gate_up) @ w.T
+    # (x, w, out_dtype=None, norm_weight=None, eps=, residual=None) -> x @ w.T, see gemv.skinny_linear
+    skinny_linear: Callable | None = None
+    # (gate_up, w, residual=None) -> silu_and_mul(gate_up) @ w.T (+ residual)
+    skinny_silu_mul_linear: Callable | None = None
     rope_write_kv: Callable | None = None  # (q, k, v, rows, k_cache, v_cache, slots) -> rotated q, k
 
 
@@ -105,12 +107,36 @@ class Model:
             y = y.add_(bias) if bias is not None else y
         return y if out_dtype is None else y.to(out_dtype)
 
-    def mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate_up = self.linear(h, layer.gate_up)
+    # The residual stream is carried as (hidden, residual). On the reference path a block's output
+    # stays apart from the stream until the next norm adds it (residual = the stream so far); on
+    # the skinny path the output products add it themselves, so residual is None between blocks
+    # and the norm is folded into the next product.
+
+    def _norm_linear(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor,
+                     w: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(stream) * norm) @ w^T (+ bias), and the stream."""
+        if fused:
+            y = self.ops.skinny_linear(hidden, w, norm_weight=norm, eps=self.config.rms_norm_eps)
+            return (y.add_(bias) if bias is not None else y), hidden
+        h, residual = self.ops.rms_norm(hidden, norm, self.config.rms_norm_eps, residual)
+        return self.linear(h, w, bias), residual
+
+    def _out_linear(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
+                    fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A block's output projection: x @ w^T, added to the stream on the skinny path."""
+        if fused:
+            return self.ops.skinny_linear(x, w, residual=residual), None
+        return self.linear(x, w), residual
+
+    def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor, layer: LayerWeights,
+             fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        gate_up, residual = self._norm_linear(hidden, residual, layer.post_norm, layer.gate_up, None, fused)
         ops = self.ops
-        if ops.skinny_silu_mul_linear is not None and h.shape[0] <= ops.skinny_rows:
-            return ops.skinny_silu_mul_linear(gate_up, layer.down)
-        return self.linear(layers.silu_and_mul(gate_up), layer.down)
+        if fused:
+            return ops.skinny_silu_mul_linear(gate_up, layer.down, residual=residual), None
+        if ops.skinny_silu_mul_linear is not None and gate_up.shape[0] <= ops.skinny_rows:
+            return ops.skinny_silu_mul_linear(gate_up, layer.down), residual
+        return self.linear(layers.silu_and_mul(gate_up), layer.down), residual
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,23 +154,23 @@ class Model:
         hidden = F.embedding(input_ids, self.embed)
         rope_rows = self.cos_sin.index_select(0, positions)  # shared by every layer
         residual: torch.Tensor | None = None
+        ops = self.ops
+        fused = ops.skinny_linear is not None and ops.skinny_silu_mul_linear is not None and t <= ops.skinny_rows
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-            h, residual = self.ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = self.linear(h, layer.qkv, layer.qkv_bias)
+            qkv, residual = self._norm_linear(hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, fused)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, cfg.num_heads, cfg.head_dim)
             k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-            if self.ops.rope_write_kv is not None:
-                q, k = self.ops.rope_write_kv(q, k, v, rope_rows, k_cache, v_cache, meta.slot_mapping)
+            if ops.rope_write_kv is not None:
+                q, k = ops.rope_write_kv(q, k, v, rope_rows, k_cache, v_cache, meta.slot_mapping)
                 attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True)
             else:
-                q, k = self.ops.apply_rope_rows(q, k, rope_rows)
+                q, k = ops.apply_rope_rows(q, k, rope_rows)
                 attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            hidden = self.linear(attn.view(t, self.q_size), layer.o)
-            h, residual = self.ops.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
-            hidden = self.mlp(h, layer)
-        hidden, _ = self.ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
+            hidden, residual = self._out_linear(attn.view(t, self.q_size), layer.o, residual, fused)
+            hidden, residual = self._mlp(hidden, residual, layer, fused)
+        hidden, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ F.linear), ||y - ref|| / ||ref|| below 1e-2 in bf16 and 1e-5 in fp32.
 
 CPU: Triton's interpreter at small shapes (M in 1, 2, 5, 16; K not a multiple of the block; N
 odd), every launch path (FMA, tensor-core dot, split-K with its last-arriver reduction, the fused
-SiLU). `triton.jit` reads TRITON_INTERPRET when a kernel module is first imported, so all cases
+SiLU, the fused pre-norm and residual add). `triton.jit` reads TRITON_INTERPRET when a kernel module is first imported, so all cases
 run in one child process started with the variable set (this file run as a script, which writes
 its results to a JSON file); the pytest process never runs a kernel under the interpreter.
 
@@ -43,13 +43,13 @@ for _dtype in ("float32", "bfloat16"):
             if _cfg is None and _dtype == "float32":
                 continue  # the table's picks run the same paths as the explicit configs
             INTERPRETER_CASES.append(dict(name=f"{_dtype}-{_cfg_name}-M{_m}", dtype=_dtype, m=_m, n=37, k=200,
-                                          config=_cfg, silu=_m in (2, 5)))
+                                          config=_cfg, silu=_m in (2, 5), fused=_m in (1, 5)))
 INTERPRETER_CASES += [
     # A row view of a wider buffer as x, float32 output into a given tensor.
     dict(name="bfloat16-view-out-fp32", dtype="bfloat16", m=3, n=37, k=200, config=None, silu=False, view=True,
          out_fp32=True),
     dict(name="bfloat16-dot_split4-view-silu", dtype="bfloat16", m=3, n=37, k=200,
-         config=_CONFIGS["dot_split4"], silu=True, view=True),
+         config=_CONFIGS["dot_split4"], silu=True, view=True, fused=True),
     # SmolLM2-135M's down projection (several K tiles) with the config skinny_linear picks itself.
     dict(name="bfloat16-smollm2-down-silu", dtype="bfloat16", m=4, n=576, k=1536, config=None, silu=True),
 ]
@@ -64,7 +64,7 @@ def run_case(case: dict[str, Any], device: str = "cpu", seed: int = 0) -> dict[s
     """Relative errors of skinny_linear (and skinny_silu_mul_linear when case['silu']) against the
     PyTorch reference computed from the same inputs."""
     from lab.engine.kernels.gemv import GemvConfig, skinny_linear, skinny_silu_mul_linear
-    from lab.engine.layers import silu_and_mul
+    from lab.engine.layers import rms_norm, silu_and_mul
 
     dtype = getattr(torch, case["dtype"])
     m, n, k = case["m"], case["n"], case["k"]
@@ -91,6 +91,17 @@ def run_case(case: dict[str, Any], device: str = "cpu", seed: int = 0) -> dict[s
         y = skinny_silu_mul_linear(gate_up, w, config=config)
         # The reference rounds silu(gate) * up to the input dtype, then multiplies in fp32.
         result["silu"] = relative_error(y, F.linear(silu_and_mul(gate_up).float(), w.float()))
+    if case.get("fused"):
+        # A decoder layer's pre-norm folded into the product, and a residual added to its result.
+        g, eps = (1 + 0.1 * randn(k).float()).to(dtype), 1e-5
+        y = skinny_linear(x, w, norm_weight=g, eps=eps, config=config)
+        result["norm"] = relative_error(y, F.linear(rms_norm(x, g, eps)[0].float(), w.float()))
+        r = randn(m, n)
+        y = skinny_linear(x, w, residual=r, config=config)
+        result["residual"] = relative_error(y, F.linear(x.float(), w.float()) + r.float())
+        if case.get("silu"):
+            y = skinny_silu_mul_linear(gate_up, w, residual=r, config=config)
+            result["silu_residual"] = relative_error(y, F.linear(silu_and_mul(gate_up).float(), w.float()) + r.float())
     return result
 
 
@@ -135,6 +146,21 @@ def test_too_many_rows_raises() -> None:
         skinny_silu_mul_linear(torch.zeros(MAX_ROWS + 1, 64), w)
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(norm_weight=torch.ones(31)), "norm_weight must be a contiguous [32]"),
+    (dict(norm_weight=torch.ones(32, dtype=torch.float64)), "norm_weight must be"),
+    (dict(residual=torch.zeros(2, 9)), "residual must be a [2, 8]"),
+    (dict(residual=torch.zeros(2, 8, dtype=torch.float16)), "residual must be"),
+])
+def test_bad_norm_or_residual_raises(kwargs: dict[str, Any], words: str) -> None:
+    """Checked before any launch, so they hold on every device: one line naming the argument."""
+    from lab.engine.kernels.gemv import skinny_linear
+
+    with pytest.raises(ValueError) as error:
+        skinny_linear(torch.zeros(2, 32), torch.zeros(8, 32), **kwargs)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
              "lm_head": (128256, 4096)}
 SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -174,7 +200,7 @@ def compiled() -> None:
 
 
 def _gpu_case(shape: tuple[int, int], m: int, silu: bool) -> dict[str, Any]:
-    return dict(dtype="bfloat16", m=m, n=shape[0], k=shape[1], config=None, silu=silu)
+    return dict(dtype="bfloat16", m=m, n=shape[0], k=shape[1], config=None, silu=silu, fused=True)
 
 
 @pytest.mark.gpu
@@ -224,8 +250,13 @@ def test_reproducible_and_graph_capturable_gpu(compiled: None, split: int) -> No
     gate_up = torch.randn(5, 2 * 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
-        return skinny_linear(x, w, config=config), skinny_silu_mul_linear(gate_up, w, config=config)
+    g = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    r = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        return (skinny_linear(x, w, config=config), skinny_silu_mul_linear(gate_up, w, config=config),
+                skinny_linear(x, w, norm_weight=g, config=config),
+                skinny_silu_mul_linear(gate_up, w, residual=r, config=config))
 
     first, second = step(), step()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
@@ -235,6 +266,7 @@ def test_reproducible_and_graph_capturable_gpu(compiled: None, split: int) -> No
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         gate_up.copy_(torch.randn_like(gate_up))
+        r.copy_(torch.randn_like(r))
         graph.replay()
         expected = step()
         assert all(torch.equal(a, b) for a, b in zip(captured, expected))

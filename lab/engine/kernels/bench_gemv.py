@@ -15,7 +15,9 @@ the chain graph runs 32 x [qkv, o, gate_up, down] + lm_head over 15 GB of distin
 The chain comes in two forms: "plain" is the products alone, bf16 out, the same on both sides;
 "fused" is what the engine would run: the down projection takes the gate_up output through
 SiLU-and-multiply (fused into the Triton kernel; silu_and_mul then F.linear for cuBLAS) and the
-logits come out in float32 (written directly by Triton; F.linear then .float() for cuBLAS).
+logits come out in float32 (written directly by Triton; F.linear then .float() for cuBLAS). A
+last table adds a decoder step's RMSNorms and residual adds to the Triton chain, as separate
+kernels against folded into the products.
 
 --sweep times every candidate config per (shape, M) (M = 1, 2, 4, 8, 16; split-K counts that
 keep the grid under eight programs per SM), prints the best few beside cuBLAS and the table's
@@ -266,6 +268,48 @@ def chain_table(ceiling: float) -> None:
             print(f"{m:>2} {form:>6} {ours:>9.3f} {theirs:>9.3f} {1e3 / ours:>12.0f} {1e3 / theirs:>12.0f} "
                   f"{nbytes / ours * 1e3 / ceiling:>6.1%} {nbytes / theirs * 1e3 / ceiling:>6.1%} "
                   f"{theirs / ours:>7.2f}", flush=True)
+    norms_table(layers, lm_head, nbytes, ceiling)
+
+
+def norms_table(layers: list[dict[str, torch.Tensor]], lm_head: torch.Tensor, nbytes: int, ceiling: float) -> None:
+    """The chain as a decoder step runs it, with its 65 RMSNorms and residual adds: as separate
+    kernels (rmsnorm.rms_norm with the residual fused, before each qkv, gate_up and the head) or
+    folded into the products (skinny_linear's norm_weight and residual)."""
+    from lab.engine.kernels.rmsnorm import rms_norm
+
+    norm = torch.rand(HIDDEN, dtype=DTYPE, device="cuda") + 0.5
+    print("\nnorms: the fused chain plus a step's RMSNorms and residual adds; ms per chain, fraction of copy "
+          "bandwidth")
+    print(f"{'M':>2} {'separate ms':>11} {'folded ms':>9} {'separate':>8} {'folded':>6} {'speedup':>7}")
+    for m in CHAIN_ROWS:
+        embedded = torch.randn(m, HIDDEN, dtype=DTYPE, device="cuda")
+        attn = torch.randn(m, HIDDEN, dtype=DTYPE, device="cuda")  # stands in for attention's output
+
+        def separate() -> None:
+            hidden, residual = embedded, None
+            for layer in layers:
+                h, residual = rms_norm(hidden, norm, 1e-5, residual)
+                skinny_linear(h, layer["qkv"])
+                hidden = skinny_linear(attn, layer["o"])
+                h, residual = rms_norm(hidden, norm, 1e-5, residual)
+                hidden = skinny_silu_mul_linear(skinny_linear(h, layer["gate_up"]), layer["down"])
+            h, _ = rms_norm(hidden, norm, 1e-5, residual)
+            skinny_linear(h, lm_head, out_dtype=torch.float32)
+
+        def folded() -> None:
+            hidden = embedded
+            for layer in layers:
+                skinny_linear(hidden, layer["qkv"], norm_weight=norm, eps=1e-5)
+                hidden = skinny_linear(attn, layer["o"], residual=hidden)
+                gate_up = skinny_linear(hidden, layer["gate_up"], norm_weight=norm, eps=1e-5)
+                hidden = skinny_silu_mul_linear(gate_up, layer["down"], residual=hidden)
+            h, _ = rms_norm(hidden, norm, 1e-5)
+            skinny_linear(h, lm_head, out_dtype=torch.float32)
+
+        ours = per_call_us([folded], reps=20) / 1e3
+        theirs = per_call_us([separate], reps=20) / 1e3
+        print(f"{m:>2} {theirs:>11.3f} {ours:>9.3f} {nbytes / theirs * 1e3 / ceiling:>8.1%} "
+              f"{nbytes / ours * 1e3 / ceiling:>6.1%} {theirs / ours:>7.2f}", flush=True)
 
 
 def main() -> None:
