@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lab.engine.kernels.rmsnorm import rms_norm
+
 MAX_ROWS = 16
 # Largest tile grid that split-K supports: one counter per N tile.
 _MAX_COUNTERS = 1 << 16
@@ -110,31 +112,20 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, g_ptr, r_ptr,
     k_begin = pid_k * k_chunk
     k_end = tl.minimum(k_begin + k_chunk, K)
 
-    if USE_DOT:
+    if USE_DOT:  # NORM is never set here (see _launch)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        sq = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
         w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]
         x_ptrs = x_ptr + x_rows[None, :] + offs_k[:, None]
         for k in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs + k, eviction_policy="evict_first")
                 x = _activation(x_ptrs + k, K, None, False, SILU_MUL)
-                if NORM:
-                    g = tl.load(g_ptr + k + offs_k)
             else:
                 k_mask = (k + offs_k) < K
                 w = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
                 x = _activation(x_ptrs + k, K, k_mask[:, None], True, SILU_MUL)
-                if NORM:
-                    g = tl.load(g_ptr + k + offs_k, mask=k_mask, other=0.0)
-            if NORM:
-                xf = x.to(tl.float32)
-                sq += xf * xf
-                x = (xf * g.to(tl.float32)[:, None]).to(x.dtype)
             acc = tl.dot(w, x, acc, input_precision=PRECISION)
         res = tl.trans(acc)
-        if NORM:
-            res = res * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)[:, None]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         sq = tl.zeros((BLOCK_M, 1, BLOCK_K), dtype=tl.float32)
@@ -297,6 +288,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
         return out.copy_(residual) if residual is not None else out.zero_()
 
     cfg = config or pick_config(m, n, k, _sm_count(x.device), silu_mul)
+    if norm_weight is not None and cfg.use_dot:
+        # The tensor-core path feeds x to the MMA from shared memory; scaling it in registers
+        # first costs a round trip per tile (the whole chain 0.86x at M = 4..16 on an H200,
+        # bench_gemv's norms table), more than the separate norm's launch.
+        x, _ = rms_norm(x, norm_weight, eps)
+        norm_weight = None
     if norm_weight is not None:
         # The norm's scale needs the sum of squares of the whole row: one program must see all of K.
         cfg = cfg._replace(split_k=1)
@@ -343,7 +340,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     over each row of x: a decoder's pre-norm and the product after it in one kernel. Each program
     folds the scale in at the end (y = rsqrt(mean(x^2) + eps) * sum_k w * x * g), summing x^2 over
     the same tiles of x it already loads, so the norm costs no launch and no extra pass; it never
-    splits K. With `residual` ([M, N], out's dtype) the result is x @ w^T + residual, rounded
+    splits K. That is on the FMA path (M <= 2 with the tuned configs); the tensor-core path
+    normalises x with rmsnorm.rms_norm first. With `residual` ([M, N], out's dtype) the result is x @ w^T + residual, rounded
     once: the residual add after an attention or MLP output projection."""
     return _launch(x, w, out, out_dtype, config, silu_mul=False, name="skinny_linear",
                    norm_weight=norm_weight, eps=eps, residual=residual)
