@@ -4,12 +4,17 @@ KV heads, head dim 128, 16-token blocks, bf16 queries; bf16 and fp8 caches):
     python -m lab.engine.kernels.bench_kernels                                  # the tables
     python -m lab.engine.kernels.bench_kernels --sweep decode --sweep prefill   # plus tuning sweeps
     python -m lab.engine.kernels.bench_kernels --no-prefill --sweep configs     # decode only, config sweep
+    python -m lab.engine.kernels.bench_kernels --no-prefill --batches 1 --contexts 1024 8192 \
+        --max-model-len 32768                            # batch 1 with the split count of the engine's graphs
 
 Decode reports achieved bandwidth: bytes of K/V read (every context token of every KV head,
 once, at the cache's element size: 2 bytes for bf16, 1 for fp8) plus q read and out written,
 over the median time of a step replayed from a CUDA graph (as the engine runs decode); the
 ceiling printed beside it is a device-to-device copy measured at start. Each row shows a bf16
-cache beside an fp8 one at the same batch and context. Prefill reports causal attention TFLOP/s
+cache beside an fp8 one at the same batch and context. The split count is the one decode_attention
+chooses for the row's context, or with --max-model-len for contexts up to that length, as the
+engine's CUDA graphs choose it (captured for the longest context they may see): at batch 1 and a
+short context most of those splits are empty. Prefill reports causal attention TFLOP/s
 (4 * heads * head_dim per visible query-key pair) beside PyTorch's SDPA on the same shape,
 contiguous.
 Times are triton.testing.do_bench medians, which flush the L2 between repetitions.
@@ -71,8 +76,10 @@ class DecodeCase:
     """One decode step's inputs over `batch` contexts of `context`: enough distinct caches that
     their sum far exceeds the L2 (a graph replays the step over all of them)."""
 
-    def __init__(self, batch: int, context: int, cache_dtype: torch.dtype) -> None:
+    def __init__(self, batch: int, context: int, cache_dtype: torch.dtype, max_model_len: int | None = None) -> None:
         self.batch, self.context, self.cache_dtype = batch, context, cache_dtype
+        # The longest context the split count is sized for.
+        self.split_context = max(context, max_model_len or 0)
         self.kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=cache_dtype).element_size()
         self.copies = max(1, math.ceil(ROTATION_BYTES / self.kv_bytes))
         self.caches = [paged_kv([context] * batch, cache_dtype) for _ in range(self.copies)]
@@ -81,9 +88,9 @@ class DecodeCase:
         self.io_bytes = 2 * self.q.numel() * self.q.element_size()
 
     def default_splits(self) -> int:
-        """The split count decode_attention chooses for this step."""
+        """The split count decode_attention chooses for this step (for split_context)."""
         programs_per_sm = FP8_PROGRAMS_PER_SM if self.cache_dtype == torch.float8_e4m3fn else 2
-        return choose_num_splits(self.batch, KV_HEADS, self.context,
+        return choose_num_splits(self.batch, KV_HEADS, self.split_context,
                                  torch.cuda.get_device_properties(0).multi_processor_count, programs_per_sm)
 
     def step(self, i: int, splits: int, config: dict[str, int] | None) -> None:
@@ -150,6 +157,9 @@ def main() -> None:
                              "SWEEP_CONFIGS); repeatable")
     parser.add_argument("--batches", type=int, nargs="+", default=DECODE_BATCHES, help="decode table batches")
     parser.add_argument("--contexts", type=int, nargs="+", default=DECODE_CONTEXTS, help="decode table contexts")
+    parser.add_argument("--max-model-len", type=int,
+                        help="decode table: size the split count for contexts up to this length, as the engine's "
+                             "CUDA graphs do (default: each row's own context)")
     parser.add_argument("--best", help="with --sweep configs: write the fastest config of each dtype here (JSON)")
     parser.add_argument("--no-decode-table", dest="decode_table", action="store_false", help="skip the decode table")
     parser.add_argument("--no-prefill", dest="prefill", action="store_false", help="skip the prefill table")
@@ -160,7 +170,7 @@ def main() -> None:
     print(f"{props.name}, {props.multi_processor_count} SMs; device copy {ceiling / 1e12:.2f} TB/s")
 
     if args.decode_table:
-        decode_table(args.batches, args.contexts, ceiling)
+        decode_table(args.batches, args.contexts, ceiling, args.max_model_len)
 
     if args.prefill:
         print("\nprefill (Llama-3-8B shapes, bf16), causal")
@@ -181,7 +191,7 @@ def main() -> None:
         sweep_prefill()
 
 
-def decode_table(batches: list[int], contexts: list[int], ceiling: float) -> None:
+def decode_table(batches: list[int], contexts: list[int], ceiling: float, max_model_len: int | None = None) -> None:
     print("\ndecode (Llama-3-8B shapes): batch x context, bf16 cache | fp8 cache; K/V (at the cache's element "
           "size) + q/out bytes over the graph time")
     print(f"{'batch':>5} {'context':>7} | {'splits':>6} {'graph us':>9} {'eager us':>9} {'TB/s':>6} {'of copy':>7} "
@@ -190,7 +200,7 @@ def decode_table(batches: list[int], contexts: list[int], ceiling: float) -> Non
         for context in contexts:
             cells, times = [], []
             for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-                graph_us, eager_us, bandwidth, splits = DecodeCase(batch, context, cache_dtype).time()
+                graph_us, eager_us, bandwidth, splits = DecodeCase(batch, context, cache_dtype, max_model_len).time()
                 cells.append(f"{splits:>6} {graph_us:>9.1f} {eager_us:>9.1f} {bandwidth / 1e12:>6.2f} "
                              f"{bandwidth / ceiling:>7.0%}")
                 times.append(graph_us)
