@@ -51,6 +51,9 @@ class Ops:
     # (gate_up, w, residual=None) -> silu_and_mul(gate_up) @ w.T (+ residual)
     skinny_silu_mul_linear: Callable | None = None
     rope_write_kv: Callable | None = None  # (q, k, v, rows, k_cache, v_cache, slots) -> rotated q, k
+    # The skinny q|k|v product with its pre-norm, RoPE and KV write fused in:
+    # (x, w, norm_weight, eps, rows, k_cache, v_cache, slots) -> q|k|v with q and k rotated
+    skinny_qkv_rope_kv: Callable | None = None
 
 
 class Model:
@@ -121,6 +124,32 @@ class Model:
         h, residual = self.ops.rms_norm(hidden, norm, self.config.rms_norm_eps, residual)
         return self.linear(h, w, bias), residual
 
+    def _attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: LayerWeights,
+                   kv: tuple[torch.Tensor, torch.Tensor], rope_rows: torch.Tensor, meta: AttentionMetadata,
+                   fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention block up to its output projection: ([T, H * D], the stream)."""
+        cfg, ops = self.config, self.ops
+        t = hidden.shape[0]
+        k_cache, v_cache = kv
+        kv_written = fused and ops.skinny_qkv_rope_kv is not None and layer.qkv_bias is None
+        if kv_written:
+            qkv = ops.skinny_qkv_rope_kv(hidden, layer.qkv, layer.input_norm, cfg.rms_norm_eps, rope_rows,
+                                         k_cache, v_cache, meta.slot_mapping)
+            residual = hidden
+        else:
+            qkv, residual = self._norm_linear(hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, fused)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if not kv_written and ops.rope_write_kv is not None:
+            q, k = ops.rope_write_kv(q, k, v, rope_rows, k_cache, v_cache, meta.slot_mapping)
+            kv_written = True
+        elif not kv_written:
+            q, k = ops.apply_rope_rows(q, k, rope_rows)
+        attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=kv_written)
+        return attn.view(t, self.q_size), residual
+
     def _out_linear(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
                     fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A block's output projection: x @ w^T, added to the stream on the skinny path."""
@@ -156,19 +185,9 @@ class Model:
         residual: torch.Tensor | None = None
         ops = self.ops
         fused = ops.skinny_linear is not None and ops.skinny_silu_mul_linear is not None and t <= ops.skinny_rows
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-            qkv, residual = self._norm_linear(hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, fused)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, cfg.num_heads, cfg.head_dim)
-            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-            if ops.rope_write_kv is not None:
-                q, k = ops.rope_write_kv(q, k, v, rope_rows, k_cache, v_cache, meta.slot_mapping)
-                attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True)
-            else:
-                q, k = ops.apply_rope_rows(q, k, rope_rows)
-                attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            hidden, residual = self._out_linear(attn.view(t, self.q_size), layer.o, residual, fused)
+        for layer, kv in zip(self.layers, kv_cache):
+            attn, residual = self._attention(hidden, residual, layer, kv, rope_rows, meta, fused)
+            hidden, residual = self._out_linear(attn, layer.o, residual, fused)
             hidden, residual = self._mlp(hidden, residual, layer, fused)
         hidden, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
         return hidden

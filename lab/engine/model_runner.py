@@ -68,6 +68,14 @@ def make_backends(config: EngineConfig, device: torch.device) -> tuple[Attention
         ops.skinny_rows = gemv.MAX_ROWS
         ops.skinny_linear = gemv.skinny_linear
         ops.skinny_silu_mul_linear = gemv.skinny_silu_mul_linear
+
+        def qkv_rope_kv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+            rope = gemv.RopeKV(rows, k_cache, v_cache, slots, attention.k_scale, attention.v_scale)
+            return gemv.skinny_linear(x, w, norm_weight=norm_weight, eps=eps, rope=rope)
+
+        ops.skinny_qkv_rope_kv = qkv_rope_kv
     return attention, ops
 
 

@@ -50,6 +50,14 @@ INTERPRETER_CASES += [
          out_fp32=True),
     dict(name="bfloat16-dot_split4-view-silu", dtype="bfloat16", m=3, n=37, k=200,
          config=_CONFIGS["dot_split4"], silu=True, view=True, fused=True),
+    # A q|k|v product (4 query heads, 2 KV heads of 16) with its pre-norm, RoPE and KV write: in the
+    # FMA path's epilogue (16- and 8-row tiles), and after the product on the tensor-core path.
+    dict(name="float32-rope-fma-M3", dtype="float32", m=3, n=128, k=200, config=_CONFIGS["fma"], rope=(4, 2, 16)),
+    dict(name="bfloat16-rope-fma-M1", dtype="bfloat16", m=1, n=128, k=200, config=_CONFIGS["fma"], rope=(4, 2, 16)),
+    dict(name="bfloat16-rope-table-M2-fp8", dtype="bfloat16", m=2, n=128, k=200, config=None, rope=(4, 2, 16),
+         fp8=True),
+    dict(name="bfloat16-rope-dot-M5-fp8", dtype="bfloat16", m=5, n=128, k=200, config=_CONFIGS["dot"],
+         rope=(4, 2, 16), fp8=True),
     # SmolLM2-135M's down projection (several K tiles) with the config skinny_linear picks itself.
     dict(name="bfloat16-smollm2-down-silu", dtype="bfloat16", m=4, n=576, k=1536, config=None, silu=True),
 ]
@@ -102,7 +110,50 @@ def run_case(case: dict[str, Any], device: str = "cpu", seed: int = 0) -> dict[s
         if case.get("silu"):
             y = skinny_silu_mul_linear(gate_up, w, residual=r, config=config)
             result["silu_residual"] = relative_error(y, F.linear(silu_and_mul(gate_up).float(), w.float()) + r.float())
+    if case.get("rope"):
+        result.update(_rope_errors(case, x, w, config, randn, gen, device))
     return result
+
+
+def _rope_errors(case: dict[str, Any], x: torch.Tensor, w: torch.Tensor, config: Any, randn: Any,
+                 gen: torch.Generator, device: str) -> dict[str, float]:
+    """skinny_linear with norm_weight and rope against rms_norm, F.linear and apply_rope_rows; the
+    caches must hold exactly what storing the returned k and v gives (x / scale for fp8), at this
+    step's slots only (every other slot keeps its NaN poison)."""
+    from lab.engine.kernels.gemv import RopeKV, skinny_linear
+    from lab.engine.layers import apply_rope_rows, rms_norm, rope_cos_sin_cache
+
+    heads, kv_heads, head_dim = case["rope"]
+    m, dtype = x.shape[0], x.dtype
+    g, eps = (1 + 0.1 * randn(x.shape[1]).float()).to(dtype), 1e-5
+    rows = rope_cos_sin_cache(head_dim, 512, 10000.0, None, device=device)[
+        torch.randint(0, 512, (m,), generator=gen, device=device)]
+    block_size, num_blocks = 4, m + 2
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=device)[:m]
+    cache_dtype = torch.float8_e4m3fn if case.get("fp8") else dtype
+    k_scale, v_scale = (0.5, 2.0) if case.get("fp8") else (1.0, 1.0)
+    poison = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), device=device).to(cache_dtype)
+    k_cache, v_cache = poison.clone(), poison.clone()
+    y = skinny_linear(x, w, norm_weight=g, eps=eps, rope=RopeKV(rows, k_cache, v_cache, slots, k_scale, v_scale),
+                      config=config)
+
+    ref = F.linear(rms_norm(x, g, eps)[0].float(), w.float())
+    q, k, v = ref.view(m, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    q, k = apply_rope_rows(q, k, rows)
+    _, y_k, y_v = y.view(m, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+
+    def stored(value: torch.Tensor, scale: float) -> torch.Tensor:
+        return (value.float() / torch.tensor(scale, device=device)).to(cache_dtype).float()
+
+    others = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    others[slots] = False
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    return {
+        "rope_qkv": relative_error(y, torch.cat([q, k, v], dim=1).view(m, -1)),
+        "rope_k_cache": relative_error(flat_k[slots].float(), stored(y_k, k_scale)),
+        "rope_v_cache": relative_error(flat_v[slots].float(), stored(y_v, v_scale)),
+        "rope_others_poisoned": float(not (flat_k[others].float().isnan().all() and flat_v[others].float().isnan().all())),
+    }
 
 
 def _interpreter_main(path: str) -> None:
@@ -130,9 +181,14 @@ def interpreter_results() -> dict[str, dict[str, float]]:
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c["name"] for c in INTERPRETER_CASES])
 def test_skinny_interpreter(interpreter_results: dict[str, dict[str, float]], case: dict[str, Any]) -> None:
-    result = interpreter_results[case["name"]]
+    _assert_within_tolerance(interpreter_results[case["name"]], case["dtype"])
+
+
+def _assert_within_tolerance(result: dict[str, float], dtype: str) -> None:
     for kind, err in result.items():
-        assert err < TOL[case["dtype"]], (kind, result)  # NaN fails this too
+        # The caches hold exactly what storing the returned k and v gives, and nothing else moves.
+        exact = kind.startswith("rope_") and kind != "rope_qkv"
+        assert err == 0 if exact else err < TOL[dtype], (kind, result)  # NaN fails this too
 
 
 def test_too_many_rows_raises() -> None:
@@ -223,8 +279,7 @@ def test_smollm2_shapes_gpu(compiled: None, name: str, m: int) -> None:
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c["name"] for c in INTERPRETER_CASES])
 def test_interpreter_cases_gpu(compiled: None, case: dict[str, Any]) -> None:
     """The interpreter's cases compiled: fp32 must use IEEE dots (no tf32)."""
-    result = run_case(case, device="cuda")
-    assert all(err < TOL[case["dtype"]] for err in result.values()), result
+    _assert_within_tolerance(run_case(case, device="cuda"), case["dtype"])
 
 
 @pytest.mark.gpu

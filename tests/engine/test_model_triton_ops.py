@@ -1,8 +1,9 @@
 """The model wired with the CUDA path's kernels (Triton attention, fused RMSNorm, fused RoPE +
-KV write, skinny GEMV with the SiLU fused into the down projection, float32 logits straight from
-the kernel) against the same model on the PyTorch reference path, step by step: one prefill step
-of three prompts (products of more than 16 rows: F.linear), then decode steps of three rows
-(the skinny kernels). On the CPU under Triton's interpreter, in a child process (see
+KV write, skinny GEMV with the SiLU fused into the down projection, the pre-norms, residual adds
+and, on its FMA path, RoPE and the KV write folded into the products, float32 logits straight
+from the kernel) against the same model on the PyTorch reference path, step by step: one prefill
+step of three prompts (products of more than 16 rows: F.linear), then decode steps of three rows
+and of two (the skinny kernels' two paths). On the CPU under Triton's interpreter, in a child process (see
 test_kernels.py for why), with `dummy:tiny` weights in float32.
 """
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 PROMPTS = (5, 12, 20)  # prompt lengths; contexts cross 16-token blocks
-DECODE_STEPS = 3
+DECODE_STEPS = 4
 BLOCK = 16
 
 
@@ -42,8 +43,13 @@ def _compare_steps() -> list[float]:
         cache = torch.zeros(mc.num_layers, 2, 4 * len(PROMPTS) + 1, BLOCK, mc.num_kv_heads, mc.head_dim)
         return model, [(cache[i, 0], cache[i, 1]) for i in range(mc.num_layers)]
 
+    def qkv_rope_kv(x, w, norm_weight, eps, rows, k_cache, v_cache, slots):
+        rope = gemv.RopeKV(rows, k_cache, v_cache, slots)
+        return gemv.skinny_linear(x, w, norm_weight=norm_weight, eps=eps, rope=rope)
+
     ops = Ops(rms_norm=rmsnorm.rms_norm, rope_write_kv=rope_and_write_kv, skinny_rows=gemv.MAX_ROWS,
-              skinny_linear=gemv.skinny_linear, skinny_silu_mul_linear=gemv.skinny_silu_mul_linear)
+              skinny_linear=gemv.skinny_linear, skinny_silu_mul_linear=gemv.skinny_silu_mul_linear,
+              skinny_qkv_rope_kv=qkv_rope_kv)
     fast, fast_kv = build(TritonAttention(), ops)
     ref, ref_kv = build(TorchAttention(), None)
     gen = torch.Generator().manual_seed(0)
@@ -52,23 +58,26 @@ def _compare_steps() -> list[float]:
     errors = []
     computed = [0] * len(seqs)
     for step in range(DECODE_STEPS + 1):
+        # The last prompt stops after two decode steps: three rows take the skinny kernels'
+        # tensor-core path, two their FMA path (pre-norm, RoPE and KV write in the products).
+        active = range(len(seqs)) if step <= 2 else range(len(seqs) - 1)
         ids, positions, qlens = [], [], []
-        for i, s in enumerate(seqs):
-            new = s[computed[i]:]
+        for i in active:
+            new = seqs[i][computed[i]:]
             ids += new
-            positions += range(computed[i], len(s))
+            positions += range(computed[i], len(seqs[i]))
             qlens.append(len(new))
-        ctx = [len(s) for s in seqs]
-        meta = build_metadata(qlens, ctx, tables, BLOCK, num_decodes=len(seqs) if step else 0)
+        ctx = [len(seqs[i]) for i in active]
+        meta = build_metadata(qlens, ctx, [tables[i] for i in active], BLOCK, num_decodes=len(active) if step else 0)
         ids_t, pos_t = torch.tensor(ids), torch.tensor(positions)
         last = torch.tensor(qlens).cumsum(0) - 1
         want = ref.logits(ref.forward(ids_t, pos_t, meta, ref_kv)[last])
         got = fast.logits(fast.forward(ids_t, pos_t, meta, fast_kv)[last])
         assert got.dtype == torch.float32
         errors.append(_relative_error(got, want))
-        for i, s in enumerate(seqs):
-            computed[i] = len(s)
-            s.append(int(want[i].argmax()))
+        for row, i in enumerate(active):
+            computed[i] = len(seqs[i])
+            seqs[i].append(int(want[row].argmax()))
     return errors
 
 

@@ -16,8 +16,8 @@ The chain comes in two forms: "plain" is the products alone, bf16 out, the same 
 "fused" is what the engine would run: the down projection takes the gate_up output through
 SiLU-and-multiply (fused into the Triton kernel; silu_and_mul then F.linear for cuBLAS) and the
 logits come out in float32 (written directly by Triton; F.linear then .float() for cuBLAS). A
-last table adds a decoder step's RMSNorms and residual adds to the Triton chain, as separate
-kernels against folded into the products.
+last table adds a decoder step's RMSNorms, residual adds and RoPE + KV writes to the Triton chain,
+as separate kernels against folded into the products.
 
 --sweep times every candidate config per (shape, M) (M = 1, 2, 4, 8, 16; split-K counts that
 keep the grid under eight programs per SM), prints the best few beside cuBLAS and the table's
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from lab.engine.kernels import gemv
 from lab.engine.kernels.bench_kernels import copy_bandwidth
-from lab.engine.kernels.gemv import GemvConfig, skinny_linear, skinny_silu_mul_linear
+from lab.engine.kernels.gemv import GemvConfig, RopeKV, skinny_linear, skinny_silu_mul_linear
 from lab.engine.layers import silu_and_mul
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 4096, 14336, 128256, 32
@@ -272,24 +272,32 @@ def chain_table(ceiling: float) -> None:
 
 
 def norms_table(layers: list[dict[str, torch.Tensor]], lm_head: torch.Tensor, nbytes: int, ceiling: float) -> None:
-    """The chain as a decoder step runs it, with its 65 RMSNorms and residual adds: as separate
-    kernels (rmsnorm.rms_norm with the residual fused, before each qkv, gate_up and the head) or
-    folded into the products (skinny_linear's norm_weight and residual)."""
+    """The chain as a decoder step runs it, with its 65 RMSNorms, residual adds and 32 RoPE + KV
+    writes: as separate kernels (rmsnorm.rms_norm with the residual fused, before each qkv, gate_up
+    and the head; rope_and_write_kv after each qkv) or folded into the products (skinny_linear's
+    norm_weight, residual and rope)."""
     from lab.engine.kernels.rmsnorm import rms_norm
+    from lab.engine.kernels.rope_kv_write import rope_and_write_kv
 
     norm = torch.rand(HIDDEN, dtype=DTYPE, device="cuda") + 0.5
-    print("\nnorms: the fused chain plus a step's RMSNorms and residual adds; ms per chain, fraction of copy "
-          "bandwidth")
+    heads, kv_heads, head_dim = 32, 8, 128
+    kv_cache = torch.zeros(2, 64, 16, kv_heads, head_dim, dtype=DTYPE, device="cuda")
+    print("\nnorms: the fused chain plus a step's RMSNorms, residual adds and RoPE + KV writes; ms per chain, "
+          "fraction of copy bandwidth")
     print(f"{'M':>2} {'separate ms':>11} {'folded ms':>9} {'separate':>8} {'folded':>6} {'speedup':>7}")
     for m in CHAIN_ROWS:
         embedded = torch.randn(m, HIDDEN, dtype=DTYPE, device="cuda")
         attn = torch.randn(m, HIDDEN, dtype=DTYPE, device="cuda")  # stands in for attention's output
+        rows = torch.rand(m, head_dim, device="cuda")
+        slots = torch.arange(m, device="cuda") * 7
+        rope = RopeKV(rows, kv_cache[0], kv_cache[1], slots)
 
         def separate() -> None:
             hidden, residual = embedded, None
             for layer in layers:
                 h, residual = rms_norm(hidden, norm, 1e-5, residual)
-                skinny_linear(h, layer["qkv"])
+                qkv = skinny_linear(h, layer["qkv"]).view(m, -1, head_dim)
+                rope_and_write_kv(*qkv.split([heads, kv_heads, kv_heads], dim=1), *rope)
                 hidden = skinny_linear(attn, layer["o"])
                 h, residual = rms_norm(hidden, norm, 1e-5, residual)
                 hidden = skinny_silu_mul_linear(skinny_linear(h, layer["gate_up"]), layer["down"])
@@ -299,7 +307,7 @@ def norms_table(layers: list[dict[str, torch.Tensor]], lm_head: torch.Tensor, nb
         def folded() -> None:
             hidden = embedded
             for layer in layers:
-                skinny_linear(hidden, layer["qkv"], norm_weight=norm, eps=1e-5)
+                skinny_linear(hidden, layer["qkv"], norm_weight=norm, eps=1e-5, rope=rope)
                 hidden = skinny_linear(attn, layer["o"], residual=hidden)
                 gate_up = skinny_linear(hidden, layer["gate_up"], norm_weight=norm, eps=1e-5)
                 hidden = skinny_silu_mul_linear(gate_up, layer["down"], residual=hidden)

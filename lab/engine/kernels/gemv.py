@@ -53,14 +53,26 @@ import torch
 import triton
 import triton.language as tl
 
+from lab.engine.attention import FP8_DTYPES
+from lab.engine.kernels.arrival_counters import MAX_COUNTERS, counter_buffer
 from lab.engine.kernels.rmsnorm import rms_norm
+from lab.engine.kernels.rope_kv_write import rope_and_write_kv, to_cache
 
 MAX_ROWS = 16
-# Largest tile grid that split-K supports: one counter per N tile.
-_MAX_COUNTERS = 1 << 16
 # Rows of the FMA path's accumulator are registers: beyond 4 rows the per-element FMAs cost more
 # than the bandwidth leaves time for.
 MAX_FMA_ROWS = 4
+
+
+class RopeKV(NamedTuple):
+    """What a q|k|v product needs to finish a decoder's attention input in its epilogue: RoPE on
+    q and k, and k and v stored at their cache slots (see rope_kv_write.rope_and_write_kv)."""
+    cos_sin_rows: torch.Tensor  # [M, D] float32, cos | sin per token
+    k_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [M]
+    k_scale: float = 1.0  # fp8 caches hold x / scale
+    v_scale: float = 1.0
 
 
 class GemvConfig(NamedTuple):
@@ -94,16 +106,67 @@ def _activation(ptrs, up_offset, mask, MASKED: tl.constexpr, SILU_MUL: tl.conste
         return _load(ptrs, mask, MASKED)
 
 
+@triton.jit
+def _rope_kv_epilogue(res, y_ptr, stride_ym, offs_m, M, pid_n, cs_ptr, stride_cs, slot_ptr, kc_ptr, vc_ptr,
+                      k_scale, v_scale, stride_cache_block, stride_cache_slot, stride_cache_head, block_size,
+                      num_heads, num_kv_heads, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, QUANTIZE: tl.constexpr):
+    """Rotates a qkv tile of BLOCK_N / 2 pairs (see the row order in _skinny_kernel) and stores it
+    into y; a key or value tile also goes to its cache slot. As rope_kv_write does it: float32
+    rotation, rounded once to y's dtype, and the cache takes that rounded value (x / scale in fp8)."""
+    tiles_per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+    half: tl.constexpr = BLOCK_N // 2
+    head = pid_n // tiles_per_head
+    dims = (pid_n % tiles_per_head) * half + tl.arange(0, half)  # the first-half dims of the pairs
+    x1, x2 = tl.split(tl.permute(tl.reshape(res, (BLOCK_M, 2, half)), (0, 2, 1)))
+    row_mask = (offs_m < M)[:, None]
+    rows = offs_m.to(tl.int64)[:, None]
+    cs = cs_ptr + rows * stride_cs + dims[None, :]
+    rotate = head < num_heads + num_kv_heads  # values are not rotated
+    cos = tl.where(rotate, tl.load(cs, mask=row_mask, other=1.0), 1.0)
+    sin = tl.where(rotate, tl.load(cs + HEAD_DIM // 2, mask=row_mask, other=0.0), 0.0)
+    y1 = (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(y_ptr.dtype.element_ty)
+    y = y_ptr + rows * stride_ym + head * HEAD_DIM + dims[None, :]
+    tl.store(y, y1, mask=row_mask)
+    tl.store(y + HEAD_DIM // 2, y2, mask=row_mask)
+    if head >= num_heads:
+        is_value = head >= num_heads + num_kv_heads
+        kv_head = tl.where(is_value, head - num_heads - num_kv_heads, head - num_heads)
+        slot = tl.load(slot_ptr + offs_m, mask=offs_m < M, other=0)
+        # int64 before multiplying: a layer's cache can exceed 2^31 elements.
+        dst = ((slot // block_size).to(tl.int64) * stride_cache_block + (slot % block_size) * stride_cache_slot
+               + kv_head * stride_cache_head)[:, None] + dims[None, :]
+        if is_value:
+            tl.store(vc_ptr + dst, to_cache(y1, v_scale, vc_ptr, QUANTIZE), mask=row_mask)
+            tl.store(vc_ptr + dst + HEAD_DIM // 2, to_cache(y2, v_scale, vc_ptr, QUANTIZE), mask=row_mask)
+        else:
+            tl.store(kc_ptr + dst, to_cache(y1, k_scale, kc_ptr, QUANTIZE), mask=row_mask)
+            tl.store(kc_ptr + dst + HEAD_DIM // 2, to_cache(y2, k_scale, kc_ptr, QUANTIZE), mask=row_mask)
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, g_ptr, r_ptr,
                    M, N, K, stride_xm, stride_ym, stride_rm, k_chunk, split_k, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, SILU_MUL: tl.constexpr,
                    NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                   cs_ptr, slot_ptr, kc_ptr, vc_ptr, k_scale, v_scale, stride_cs,
+                   stride_cache_block, stride_cache_slot, stride_cache_head, block_size, num_heads, num_kv_heads,
+                   ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 1, QUANTIZE: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        # A tile holds BLOCK_N / 2 rotation pairs of one head: rows d and d + HEAD_DIM / 2, first
+        # halves in its first BLOCK_N / 2 columns, so the epilogue can rotate in registers.
+        tiles_per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+        half: tl.constexpr = BLOCK_N // 2
+        cols = tl.arange(0, BLOCK_N)
+        offs_n = (pid_n // tiles_per_head) * HEAD_DIM + (pid_n % tiles_per_head) * half + cols % half \
+            + (cols // half) * (HEAD_DIM // 2)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     # int64: the last row of a large lm_head (or of a K-wide x view) can pass 2**31 elements.
@@ -112,7 +175,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, g_ptr, r_ptr,
     k_begin = pid_k * k_chunk
     k_end = tl.minimum(k_begin + k_chunk, K)
 
-    if USE_DOT:  # NORM is never set here (see _launch)
+    if USE_DOT:  # NORM and ROPE are never set here (see _launch)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]
         x_ptrs = x_ptr + x_rows[None, :] + offs_k[:, None]
@@ -152,30 +215,35 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, g_ptr, r_ptr,
         if NORM:
             res = res * tl.rsqrt(tl.sum(sq, axis=2) / K + eps)
 
-    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if RESIDUAL:
-        r_ptrs = r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
-    if split_k == 1:
-        if RESIDUAL:
-            res += tl.load(r_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=out_mask)
+    if ROPE:
+        _rope_kv_epilogue(res, y_ptr, stride_ym, offs_m, M, pid_n, cs_ptr, stride_cs, slot_ptr, kc_ptr, vc_ptr,
+                          k_scale, v_scale, stride_cache_block, stride_cache_slot, stride_cache_head,
+                          block_size, num_heads, num_kv_heads, BLOCK_M, BLOCK_N, HEAD_DIM, QUANTIZE)
     else:
-        part_offs = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + part_offs, res, mask=out_mask)
-        # Every thread's partial is stored before one thread's release publishes the arrival.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, split_k):
-                # .cg: read L2, where the other programs' partials are, never a stale L1 line.
-                total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
+        out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        if RESIDUAL:
+            r_ptrs = r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
+        if split_k == 1:
             if RESIDUAL:
-                total += tl.load(r_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(count_ptr + pid_n, 0)
+                res += tl.load(r_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            part_offs = offs_m[:, None] * N + offs_n[None, :]
+            tl.store(part_ptr + pid_k * M * N + part_offs, res, mask=out_mask)
+            # Every thread's partial is stored before one thread's release publishes the arrival.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == split_k - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, split_k):
+                    # .cg: read L2, where the other programs' partials are, never a stale L1 line.
+                    total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                if RESIDUAL:
+                    total += tl.load(r_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(count_ptr + pid_n, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +278,6 @@ _TABLE: dict[tuple[int, int, bool], dict[int, GemvConfig]] = {
                             16: GemvConfig(128, 128, 1, 8, 3, True)},
 }
 
-_counters: dict[torch.device, torch.Tensor] = {}
 _sm_counts: dict[torch.device, int] = {}
 
 
@@ -250,18 +317,9 @@ def pick_config(m: int, n: int, k: int, sms: int = 132, silu_mul: bool = False) 
     return default_config(m, n, k, sms)
 
 
-def _counter_buffer(device: torch.device) -> torch.Tensor | None:
-    buffer = _counters.get(device)
-    if buffer is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # a zero-fill recorded into the graph would leave it garbage for eager calls
-        buffer = _counters[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return buffer
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype | None,
             config: GemvConfig | None, silu_mul: bool, name: str, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+            eps: float = 0.0, residual: torch.Tensor | None = None, rope: RopeKV | None = None) -> torch.Tensor:
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"{name} takes 2-D x and w, got {tuple(x.shape)} and {tuple(w.shape)}")
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
@@ -282,6 +340,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
         raise ValueError(f"{name}: norm_weight must be a contiguous [{k}] tensor of {x.dtype}")
     if residual is not None and (residual.shape != (m, n) or residual.dtype != out.dtype or residual.stride(1) != 1):
         raise ValueError(f"{name}: residual must be a [{m}, {n}] row-contiguous tensor of {out.dtype}")
+    if rope is not None:
+        kv_heads, head_dim = rope.k_cache.shape[2:]
+        if residual is not None or head_dim % 2 or n % head_dim or n // head_dim <= 2 * kv_heads:
+            raise ValueError(f"{name}: rope takes a q|k|v product of whole {head_dim}-wide heads, "
+                             f"{2 * kv_heads} of them k and v, and no residual; got {n} rows")
+        if rope.cos_sin_rows.shape != (m, head_dim) or rope.slot_mapping.shape != (m,):
+            raise ValueError(f"{name}: rope needs a [{m}, {head_dim}] cos|sin row and a slot per row of x")
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -294,8 +359,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
         # bench_gemv's norms table), more than the separate norm's launch.
         x, _ = rms_norm(x, norm_weight, eps)
         norm_weight = None
-    if norm_weight is not None:
-        # The norm's scale needs the sum of squares of the whole row: one program must see all of K.
+    if rope is not None and (cfg.use_dot or head_dim % cfg.block_n):
+        # The rotation pairs rows d and d + D/2; only the FMA path's tiles (a few rows each, any
+        # rows) are ordered to hold both. Elsewhere the separate kernel does it after the product.
+        y = _launch(x, w, out, out_dtype, config, silu_mul, name, norm_weight, eps)
+        q, k, v = y.view(m, -1, head_dim).split([n // head_dim - 2 * kv_heads, kv_heads, kv_heads], dim=1)
+        rope_and_write_kv(q, k, v, *rope)
+        return y
+    if norm_weight is not None or rope is not None:
+        # The norm's scale needs the sum of squares of the whole row, and the rotation the whole
+        # dot product of both rows of a pair: one program must see all of K.
         cfg = cfg._replace(split_k=1)
     block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
     if not cfg.use_dot and m > MAX_FMA_ROWS:
@@ -306,8 +379,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
     blocks_per_split = triton.cdiv(k_blocks, max(1, min(cfg.split_k, k_blocks)))
     split = triton.cdiv(k_blocks, blocks_per_split)
     counters = None
-    if split > 1 and tiles <= _MAX_COUNTERS:
-        counters = _counter_buffer(x.device)
+    if split > 1 and tiles <= MAX_COUNTERS:
+        counters = counter_buffer(x.device)
     if counters is None:
         # Empty stand-ins (null pointers, never dereferenced) keep the argument types of a split
         # launch, so both share one compiled kernel.
@@ -323,14 +396,34 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
         USE_DOT=cfg.use_dot, SILU_MUL=silu_mul, NORM=norm_weight is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **_rope_arguments(rope, n, out),
     )
     return out
 
 
+def _rope_arguments(rope: RopeKV | None, n: int, out: torch.Tensor) -> dict:
+    if rope is None:
+        # Never dereferenced without ROPE; any tensor serves as the pointer arguments.
+        return dict(cs_ptr=out, slot_ptr=out, kc_ptr=out, vc_ptr=out, k_scale=1.0, v_scale=1.0, stride_cs=0,
+                    stride_cache_block=0, stride_cache_slot=0, stride_cache_head=0, block_size=1, num_heads=0,
+                    num_kv_heads=0)
+    kc, vc = rope.k_cache, rope.v_cache
+    if kc.shape != vc.shape or kc.stride() != vc.stride() or kc.stride(-1) != 1 or rope.cos_sin_rows.stride(-1) != 1:
+        raise ValueError("skinny_linear: rope needs k and v caches of one shape and layout, rows contiguous")
+    quantize = kc.dtype in FP8_DTYPES
+    if not quantize and (rope.k_scale != 1.0 or rope.v_scale != 1.0):
+        raise ValueError("skinny_linear: KV scales apply to fp8 caches only")
+    kv_heads, head_dim = kc.shape[2:]
+    return dict(cs_ptr=rope.cos_sin_rows, slot_ptr=rope.slot_mapping, kc_ptr=kc, vc_ptr=vc,
+                k_scale=float(rope.k_scale), v_scale=float(rope.v_scale), stride_cs=rope.cos_sin_rows.stride(0),
+                stride_cache_block=kc.stride(0), stride_cache_slot=kc.stride(1), stride_cache_head=kc.stride(2),
+                block_size=kc.shape[1], num_heads=n // head_dim - 2 * kv_heads, num_kv_heads=kv_heads,
+                ROPE=True, HEAD_DIM=head_dim, QUANTIZE=quantize)
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, *, norm_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6, residual: torch.Tensor | None = None,
+                  eps: float = 1e-6, residual: torch.Tensor | None = None, rope: RopeKV | None = None,
                   config: GemvConfig | None = None) -> torch.Tensor:
     """x[M, K] @ w[N, K]^T for M <= MAX_ROWS, fp32 accumulation, result in out_dtype (default x's
     dtype; float32 is allowed, e.g. for logits) or into `out`. x may be a row view (stride(1) == 1);
@@ -342,9 +435,15 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     the same tiles of x it already loads, so the norm costs no launch and no extra pass; it never
     splits K. That is on the FMA path (M <= 2 with the tuned configs); the tensor-core path
     normalises x with rmsnorm.rms_norm first. With `residual` ([M, N], out's dtype) the result is x @ w^T + residual, rounded
-    once: the residual add after an attention or MLP output projection."""
+    once: the residual add after an attention or MLP output projection.
+
+    With `rope` the product is a decoder's q|k|v ([M, (H + 2 KVH) * D]): the result comes back
+    with q and k rotated, and k and v are stored at their cache slots, as
+    rope_kv_write.rope_and_write_kv would do after the product. On the FMA path the epilogue does
+    it (no launch of its own; each tile is ordered to hold whole rotation pairs); on the others
+    that kernel runs after the product."""
     return _launch(x, w, out, out_dtype, config, silu_mul=False, name="skinny_linear",
-                   norm_weight=norm_weight, eps=eps, residual=residual)
+                   norm_weight=norm_weight, eps=eps, residual=residual, rope=rope)
 
 
 def skinny_silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,

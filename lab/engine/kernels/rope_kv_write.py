@@ -28,7 +28,7 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
-def _to_cache(x, scale, cache_ptr, QUANTIZE: tl.constexpr):
+def to_cache(x, scale, cache_ptr, QUANTIZE: tl.constexpr):
     # Per-tensor scaled fp8: the cache holds x / scale; IEEE division so the byte is exactly what
     # PyTorch's (x.float() / scale).to(fp8) gives (kv_write does the same).
     if QUANTIZE:
@@ -74,15 +74,15 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, 
     block = (slot // block_size).to(tl.int64)
     dst = block * stride_cache_block + (slot % block_size) * stride_cache_slot \
         + kv_heads[:, None] * stride_cache_head + dims[None, :]
-    tl.store(k_cache_ptr + dst, _to_cache(k1, k_scale, k_cache_ptr, QUANTIZE), mask=kv_mask)
-    tl.store(k_cache_ptr + dst + half, _to_cache(k2, k_scale, k_cache_ptr, QUANTIZE), mask=kv_mask)
+    tl.store(k_cache_ptr + dst, to_cache(k1, k_scale, k_cache_ptr, QUANTIZE), mask=kv_mask)
+    tl.store(k_cache_ptr + dst + half, to_cache(k2, k_scale, k_cache_ptr, QUANTIZE), mask=kv_mask)
 
     # Value heads: copied (quantized) as they are, in the same two halves.
     v = v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + dims[None, :]
     v1 = tl.load(v, mask=kv_mask, other=0.0)
     v2 = tl.load(v + half, mask=kv_mask, other=0.0)
-    tl.store(v_cache_ptr + dst, _to_cache(v1, v_scale, v_cache_ptr, QUANTIZE), mask=kv_mask)
-    tl.store(v_cache_ptr + dst + half, _to_cache(v2, v_scale, v_cache_ptr, QUANTIZE), mask=kv_mask)
+    tl.store(v_cache_ptr + dst, to_cache(v1, v_scale, v_cache_ptr, QUANTIZE), mask=kv_mask)
+    tl.store(v_cache_ptr + dst + half, to_cache(v2, v_scale, v_cache_ptr, QUANTIZE), mask=kv_mask)
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_rows: torch.Tensor,
