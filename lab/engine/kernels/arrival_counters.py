@@ -1,6 +1,5 @@
 """Arrival counters for kernels that finish a reduction in their last-arriving program (gemv's
-split-K, decode attention's split-KV merge): one int32 buffer per device, shared by every such
-launch.
+split-K): one int32 buffer per device, shared by every such launch.
 
 Each launch leaves the counters it used at zero, so launches in one stream (or one CUDA graph)
 can share the buffer; launches on two streams at once on one device must not (the engine uses
@@ -12,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-# Largest grid of tiles (or sequence x KV-head pairs) a split launch supports: one counter each.
+# Largest grid of tiles a split launch supports: one counter each.
 MAX_COUNTERS = 1 << 16
 
 _buffers: dict[torch.device, torch.Tensor] = {}

@@ -1,29 +1,12 @@
 """Paged decode attention: one query token per sequence, split-KV ("flash-decoding"), GQA heads
-of one KV group processed together, in a single launch.
+of one KV group processed together.
 
-One program runs per (sequence, KV head, split). The program loads the query rows of all GROUP
-heads that share the KV head (padded to 16 rows so tl.dot can use tensor cores), so each K/V tile
-is read from memory once per group rather than once per query head. Its split is a contiguous
-range of whole tiles of the context. With one split the program writes the final output.
-Otherwise it writes a partial output normalised by its own softmax sum, plus its log-sum-exp,
-then bumps the arrival counter of its (sequence, KV head); the program that arrives last merges
-the partials of all GROUP heads with weights exp(lse_i - max) / sum and resets the counter to
-zero (the split-K pattern of gemv.py: a CTA barrier, then an acq_rel atomic at gpu scope; the
-merge reads the partials through L2 in split order 0, 1, ..., so its result never depends on
-arrival order). A separate merge kernel would cost a second launch, and the gap before it, in
-every layer of every decode step.
-
-Under CUDA graphs the split count is sized for the longest context a graph may see, so most
-splits of a short context hold no tile. Every program derives from its sequence's length how
-many splits are non-empty: programs of empty splits return at once without arriving, the
-counter's target is the number of non-empty splits, and a context that fits one split (a
-padding row with no context included: it stores zeros) skips the partials and the merge.
-
-The counters are one int32 buffer per device, zeroed on the first split call, which must happen
-outside CUDA-graph capture (the engine's warm-up does it); a call under capture before any eager
-one falls back to a single split, correct but slower. Every launch leaves the counters zero, so
-launches in one stream (or one graph) share them; launches on two streams at once on one device
-must not (the engine uses one).
+Stage 1 runs one program per (sequence, KV head, split). The program loads the query rows of all
+GROUP heads that share the KV head (padded to 16 rows so tl.dot can use tensor cores), so each K/V
+tile is read from memory once per group rather than once per query head. Its split is a
+contiguous range of whole tiles of the context; it writes a partial output normalised by its own
+softmax sum, plus its log-sum-exp. Stage 2 merges the splits of one (sequence, head) with weights
+exp(lse_i - max) / sum. With a single split stage 1 writes the final output and stage 2 is skipped.
 
 Decode is bandwidth bound: at batch 1 a sequence has only KVH (8 for Llama-3-8B) programs without
 splitting, far too few for a GPU of 132 SMs, so the split count grows until the grid holds about
@@ -50,7 +33,6 @@ import triton
 import triton.language as tl
 
 from lab.engine.attention import FP8_DTYPES
-from lab.engine.kernels.arrival_counters import MAX_COUNTERS, counter_buffer
 from lab.engine.kernels.paged_tiles import attend_tiles, dot_in_fp16, dot_precision
 
 # Fewest KV tokens worth a split of their own: below this the merge costs more than it hides.
@@ -60,29 +42,21 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                         out_ptr, part_out_ptr, part_lse_ptr, count_ptr, qk_scale, v_scale, num_splits,
+                         out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, num_splits,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
                          block_size, head_dim,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, DOT_FP16: tl.constexpr, V_FP8_PAIRS: tl.constexpr,
-                         FP8_ASM: tl.constexpr, PAGES_AHEAD: tl.constexpr):
+                         BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         DOT_FP16: tl.constexpr, V_FP8_PAIRS: tl.constexpr, FP8_ASM: tl.constexpr,
+                         PAGES_AHEAD: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
 
     context_len = tl.load(context_lens_ptr + seq)
-    tiles = tl.cdiv(context_len, BLOCK_N)
-    # At least one tile a split: a padding row (no context) keeps one split, to store its zeros.
-    tiles_per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
-    if not DIRECT:
-        # Splits past the last tile (a short context under a split count sized for long ones) have
-        # nothing to add: they neither compute nor arrive, and the merge waits for the others only.
-        live_splits = tl.maximum(tl.cdiv(tiles, tiles_per_split), 1)
-        if split >= live_splits:
-            return
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
@@ -106,43 +80,39 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                                  dims, dim_mask, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
                                  BLOCK_D=BLOCK_D, V_FP8_PAIRS=V_FP8_PAIRS, FP8_ASM=FP8_ASM,
                                  PAGES_AHEAD=PAGES_AHEAD)
-    # A padding row (no context) has l_i == 0: its output is zero, not NaN.
+    # An empty split (or a padding row with no context) has l_i == 0: it stores zeros and
+    # lse = -inf, which the merge weighs by zero.
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
-    out_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     if DIRECT:
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
-    elif live_splits == 1:
-        # The merge of a single split is that split unchanged (weight exp2(0) / 1).
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
         part = (seq * num_heads + heads) * num_splits + split  # [B, H, S] row of this split
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_mask)
         tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], out, mask=row_mask)
-        # Every thread's partial is stored before one thread's release publishes the arrival.
-        tl.debug_barrier()
-        counter = count_ptr + seq * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == live_splits - 1:
-            splits = tl.arange(0, BLOCK_S)
-            split_mask = splits < live_splits
-            # Head by head, in a loop left rolled: unrolled (tl.static_range), the merge took the
-            # fp8 kernel from 105 to 134 registers a thread (Triton 3.9, sm_90), past the 128 that
-            # FP8_PROGRAMS_PER_SM programs of 4 warps can have; rolled, 120.
-            for g in range(GROUP):
-                row = seq * num_heads + kv_head * GROUP + g
-                # .cg: read L2, where the other programs' partials are, never a stale L1 line.
-                lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"),
-                              cache_modifier=".cg")
-                # Every merged split holds part of the context, so its lse (and the max) is finite.
-                m = tl.max(lse, 0)
-                weights = tl.exp2(lse - m)
-                weights = weights / tl.sum(weights, 0)
-                parts = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * head_dim + dims[None, :],
-                                mask=split_mask[:, None] & dim_mask[None, :], other=0.0, cache_modifier=".cg")
-                merged = tl.sum(weights[:, None] * parts, 0)
-                tl.store(out_ptr + seq * stride_ot + (kv_head * GROUP + g) * stride_oh + dims,
-                         merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
-            tl.store(counter, 0)
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh, head_dim,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    # All splits empty only for a padding row with no context: keep its output zero, not NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    weights = tl.exp2(lse - m)
+    total = tl.sum(weights, 0)
+    weights = weights / tl.where(total > 0, total, 1.0)
+    parts = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * head_dim + dims[None, :],
+                    mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(weights[:, None] * parts, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int,
@@ -169,8 +139,7 @@ def _fp8_asm(device: torch.device) -> bool:
 
 # Programs of the fp8 configuration that fit on one SM at once (Triton 3.6, sm_90: 104-107
 # registers a thread, 55 KB of shared memory a program); the split heuristic fills them. At batch
-# 1 / 32K on an H200 its 64 splits ran in 36 us against 42 us with 33. Four programs of 4 warps
-# leave a thread at most 128 registers, which bounds the merge in _decode_split_kernel too.
+# 1 / 32K on an H200 its 64 splits ran in 36 us against 42 us with 33.
 FP8_PROGRAMS_PER_SM = 4
 
 
@@ -225,14 +194,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             max_context_len = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device),
                                        FP8_PROGRAMS_PER_SM if k_cache.dtype in FP8_DTYPES else 2)
-    counters = counter_buffer(q.device) if num_splits > 1 and batch * num_kv_heads <= MAX_COUNTERS else None
-    if counters is None:
-        num_splits = 1  # also for a grid past the counters, or a capture before any eager call
     config = {**_launch_config(q.device, num_splits, k_cache.dtype), **(config or {})}
     dot_fp16 = dot_in_fp16(q.dtype, k_cache.dtype)
     direct = num_splits == 1
     if direct:
-        part_out = part_lse = counters = out  # stand-ins, never read: the program writes the output itself
+        part_out = part_lse = out  # unused: stage 1 writes the output itself
     else:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -242,15 +208,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v_pairs = dot_fp16 and block_d == head_dim and v_cache.data_ptr() % 4 == 0 and config.get("V_FP8_PAIRS", True)
     extra = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * k_scale * math.log2(math.e), float(v_scale), num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, head_dim,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits), DIRECT=direct, DOT_PRECISION=dot_precision(q.dtype),
-        DOT_FP16=dot_fp16, V_FP8_PAIRS=v_pairs, FP8_ASM=_fp8_asm(q.device),
-        PAGES_AHEAD=config.get("PAGES_AHEAD", False),
+        DIRECT=direct, DOT_PRECISION=dot_precision(q.dtype), DOT_FP16=dot_fp16, V_FP8_PAIRS=v_pairs,
+        FP8_ASM=_fp8_asm(q.device), PAGES_AHEAD=config.get("PAGES_AHEAD", False),
         num_warps=config["num_warps"], num_stages=config["num_stages"], **extra,
     )
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1), head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
     return out
+
