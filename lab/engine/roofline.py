@@ -25,35 +25,52 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+WARMUP_S = 0.3
+
+
+def _best_seconds(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` runs of fn, after WARMUP_S of runs. A ceiling is the most the
+    device showed it can do, so the best run, not the median: slower runs are clocks still
+    ramping up or other work on the device, and a low ceiling flatters every fraction of it.
+    CUDA runs are timed with events, so host launch and sync costs stay out."""
+    start = time.perf_counter()
+    while True:
         fn()
         _sync(device)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+        if time.perf_counter() - start >= WARMUP_S:
+            break
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def _copy_seconds(nbytes: int, device: torch.device, repeats: int) -> float:
     # Its own function so the two buffers are freed before the matmul operands are allocated.
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    return _median_seconds(lambda: dst.copy_(src), device, repeats)
+    return _best_seconds(lambda: dst.copy_(src), device, repeats)
 
 
 def measure_ceilings(device: torch.device, dtype: torch.dtype, copy_bytes: int | None = None,
-                     matmul_n: int | None = None, repeats: int = 10) -> Ceilings:
+                     matmul_n: int | None = None, repeats: int = 20) -> Ceilings:
     gpu = device.type == "cuda"
     copy_bytes = copy_bytes or ((2 << 30) if gpu else (256 << 20))
     t_copy = _copy_seconds(copy_bytes, device, repeats)
     n = matmul_n or (8192 if gpu else 1024)
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    t_mm = _median_seconds(lambda: a @ b, device, repeats)
+    t_mm = _best_seconds(lambda: a @ b, device, repeats)
     return Ceilings(copy_bytes_per_s=2 * copy_bytes / t_copy, matmul_flops_per_s=2 * n ** 3 / t_mm,
                     device=str(device), dtype=str(dtype).removeprefix("torch."))
 
