@@ -8,13 +8,6 @@ contiguous range of whole tiles of the context; it writes a partial output norma
 softmax sum, plus its log-sum-exp. Stage 2 merges the splits of one (sequence, head) with weights
 exp(lse_i - max) / sum. With a single split stage 1 writes the final output and stage 2 is skipped.
 
-Under CUDA graphs the split count is sized for the longest context a graph may see, so at a short
-context most splits would hold no tile. Both stages derive from each sequence's length how many
-splits hold tiles: stage-1 programs past them return at once and stage 2 reads only those. At
-batch 1 and a 1K context, with the 33 splits of a graph sized for 131K (9 of them holding tiles),
-a layer's attention took 9.7 us with every split stored and merged against 7.1 us with 9 splits
-(H200, benchmarks/attention_splits.py).
-
 Decode is bandwidth bound: at batch 1 a sequence has only KVH (8 for Llama-3-8B) programs without
 splitting, far too few for a GPU of 132 SMs, so the split count grows until the grid holds about
 as many programs as fit on the SMs at once (`choose_num_splits`). Split boundaries are computed in
@@ -48,15 +41,6 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _split_plan(context_len, num_splits, BLOCK_N: tl.constexpr):
-    """(tiles per split, splits that hold tiles) of one context: at least one of each, so a
-    padding row (no context) keeps split 0 to store its zeros."""
-    tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
-    return tiles_per_split, tl.maximum(tl.cdiv(tiles, tiles_per_split), 1)
-
-
-@triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, num_splits,
                          stride_qt, stride_qh, stride_ot, stride_oh,
@@ -72,9 +56,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     num_heads = tl.num_programs(1) * GROUP
 
     context_len = tl.load(context_lens_ptr + seq)
-    tiles_per_split, live_splits = _split_plan(context_len, num_splits, BLOCK_N)
-    if split >= live_splits:
-        return  # past the context's last tile: nothing to add, and the merge does not read it
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
@@ -98,8 +80,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                                  dims, dim_mask, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
                                  BLOCK_D=BLOCK_D, V_FP8_PAIRS=V_FP8_PAIRS, FP8_ASM=FP8_ASM,
                                  PAGES_AHEAD=PAGES_AHEAD)
-    # A padding row (no context) has l_i == 0: it stores zeros and lse = -inf, which the merge
-    # turns into a zero output.
+    # An empty split (or a padding row with no context) has l_i == 0: it stores zeros and
+    # lse = -inf, which the merge weighs by zero.
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if DIRECT:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -111,14 +93,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
 
 
 @triton.jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, context_lens_ptr, num_splits, stride_ot, stride_oh,
-                         head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh, head_dim,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
-    _, live_splits = _split_plan(tl.load(context_lens_ptr + seq), num_splits, BLOCK_N)
     splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < live_splits
+    split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
     lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"))
@@ -239,8 +220,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out, context_lens, num_splits, out.stride(0), out.stride(1), head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=config["BLOCK_N"], num_warps=4,
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1), head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
         )
     return out
 
