@@ -207,11 +207,24 @@ def test_too_many_rows_raises() -> None:
     (dict(norm_weight=torch.ones(32, dtype=torch.float64)), "norm_weight must be"),
     (dict(residual=torch.zeros(2, 9)), "residual must be a [2, 8]"),
     (dict(residual=torch.zeros(2, 8, dtype=torch.float16)), "residual must be"),
+    # rope on an 8-row product: no query head left, cos|sin rows of the wrong width, scales on bf16.
+    (dict(rope="caches"), "rope takes a q|k|v product of whole 4-wide heads"),
+    (dict(rope="rows"), "rope needs a [2, 2] cos|sin row"),
+    (dict(rope="scales"), "KV scales apply to fp8 caches only"),
 ])
 def test_bad_norm_or_residual_raises(kwargs: dict[str, Any], words: str) -> None:
     """Checked before any launch, so they hold on every device: one line naming the argument."""
-    from lab.engine.kernels.gemv import skinny_linear
+    from lab.engine.kernels.gemv import RopeKV, skinny_linear
 
+    if kwargs.get("rope") == "caches":  # 4-dim heads: 2 of them, both k and v
+        kwargs = dict(rope=RopeKV(torch.zeros(2, 4), torch.zeros(3, 16, 1, 4), torch.zeros(3, 16, 1, 4),
+                                  torch.zeros(2, dtype=torch.long)))
+    elif kwargs.get("rope") == "rows":  # 2-dim heads, cos|sin rows 4 wide
+        kwargs = dict(rope=RopeKV(torch.zeros(2, 4), torch.zeros(3, 16, 1, 2), torch.zeros(3, 16, 1, 2),
+                                  torch.zeros(2, dtype=torch.long)))
+    elif kwargs.get("rope") == "scales":
+        kwargs = dict(rope=RopeKV(torch.zeros(2, 2), torch.zeros(3, 16, 1, 2), torch.zeros(3, 16, 1, 2),
+                                  torch.zeros(2, dtype=torch.long), k_scale=0.5))
     with pytest.raises(ValueError) as error:
         skinny_linear(torch.zeros(2, 32), torch.zeros(8, 32), **kwargs)
     assert words in str(error.value) and "\n" not in str(error.value)

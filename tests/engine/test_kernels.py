@@ -5,14 +5,11 @@ CPU: Triton's interpreter at small shapes. `triton.jit` reads TRITON_INTERPRET w
 module is first imported, so setting it in this process could be defeated by any module that
 imported the kernels earlier, and would leak into every test module after this one. Instead all
 interpreter cases run in one child process started with the variable set (kernel_cases.
-InterpreterWorker); this process never imports the kernels for them. The split-KV merge of
-decode_attention is checked on its own (`check_decode_splits`, no engine layers around it) in a
-second child: this file run as a script, which writes its results to a JSON file.
+InterpreterWorker); this process never imports the kernels for them.
 
 GPU (`gpu` marker, skipped without CUDA): the same checks at Llama-3-8B shapes (32 query / 8 KV
 heads, head dim 128, block 16), contexts up to 32K, batches up to 256, in this process with
-compiled kernels; the split-KV merge at batch 1 to 4 with forced split counts, and replayed from
-a CUDA graph over changing lengths.
+compiled kernels.
 
 Every attention check also asserts that the output has no NaN left from its poisoning, that this
 step's cache slots hold exactly what the reference wrote, and that every other cache slot still
@@ -22,19 +19,13 @@ holds its NaN poison (see kernel_cases).
 from __future__ import annotations
 
 import importlib
-import json
-import math
-import os
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.engine.kernel_cases import (InterpreterWorker, check_attention, check_fp8_pairs, check_padding_rows,
-                                       check_rms_norm, check_rope_kv_write, relative_error)
+                                       check_rms_norm, check_rope_kv_write)
 
 # ||out - ref|| / ||ref||. fp32 attention runs IEEE fp32 dots (no tf32), so 1e-4 leaves room only
 # for summation order; bf16 rounds P and the output.
@@ -124,131 +115,6 @@ def test_num_splits_heuristic(interpreter: InterpreterWorker) -> None:
     assert interpreter.run("check_num_splits", shapes=fp8)["splits"] == [64, 4, 2, 1, 1]
 
 
-# ----------------------------------------------------------------------------------------------
-# The split-KV merge of decode_attention, on its own
-
-
-def paged_decode_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: str,
-                        cache_dtype: str | None, k_scale: float, v_scale: float, seed: int, device: str,
-                        block_size: int = 16) -> tuple[torch.Tensor, ...]:
-    """q [B, H, D] and caches holding the contexts (K / k_scale, V / v_scale) in shuffled blocks,
-    every slot outside them NaN (so a read past a context shows), block tables with a spare
-    column, and the lengths. A context of 0 is a padding row: its table is all block 0, all NaN."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    blocks = [math.ceil(c / block_size) for c in context_lens]
-    num_blocks = 1 + sum(blocks)
-    order = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).to(torch.int32)
-    tables = torch.zeros(len(blocks), max(blocks) + 1, dtype=torch.int32, device=device)
-    used = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = order[used:used + n]
-        used += n
-    cache_type = getattr(torch, cache_dtype or dtype)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    live = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=device)
-    for i, c in enumerate(context_lens):
-        pos = torch.arange(c, device=device)
-        live[tables[i, pos // block_size].long(), pos % block_size] = True
-    caches = []
-    for scale in (k_scale, v_scale):
-        values = torch.randn(shape, generator=gen, device=device) / scale
-        values[~live] = float("nan")
-        caches.append(values.to(cache_type))
-    q = torch.randn(len(blocks), num_heads, head_dim, generator=gen, device=device).to(getattr(torch, dtype))
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    return q, caches[0], caches[1], tables, lens
-
-
-def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lens: torch.Tensor, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
-    """Float64 attention of each query over its context as the cache holds it (times the scales);
-    zeros for a padding row."""
-    batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    for b, n in enumerate(lens.tolist()):
-        if n == 0:
-            continue
-        pos = torch.arange(n, device=q.device)
-        slots = tables[b, pos // block_size].long() * block_size + pos % block_size
-        k = k_cache.view(-1, num_kv_heads, head_dim)[slots].double() * k_scale
-        v = v_cache.view(-1, num_kv_heads, head_dim)[slots].double() * v_scale
-        grouped = q[b].double().view(num_kv_heads, num_heads // num_kv_heads, head_dim)
-        weights = (torch.einsum("hgd,nhd->hgn", grouped, k) * scale).softmax(-1)
-        out[b] = torch.einsum("hgn,nhd->hgd", weights, v).reshape(num_heads, head_dim)
-    return out
-
-
-def check_decode_splits(context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                        dtype: str, splits: list[int], cache_dtype: str | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
-    """decode_attention at each forced split count against decode_reference: the relative error
-    of the rows with a context (by split count), whether padding rows came out exactly zero and
-    nothing came out NaN, and whether a second call at the last split count reproduced the first
-    bit for bit."""
-    decode_module = importlib.import_module("lab.engine.kernels.decode_attention")
-    q, k_cache, v_cache, tables, lens = paged_decode_inputs(context_lens, num_heads, num_kv_heads, head_dim, dtype,
-                                                            cache_dtype, k_scale, v_scale, seed, device)
-    scale = head_dim ** -0.5
-    ref = decode_reference(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale)
-    real = lens > 0
-    result: dict[str, Any] = {"rel_err": {}, "padding_zero": True, "no_nan": True}
-    for num_splits in splits:
-        out = decode_module.decode_attention(q, k_cache, v_cache, tables, lens, scale, torch.full_like(q, float("nan")),
-                                             k_scale=k_scale, v_scale=v_scale, num_splits=num_splits)
-        result["rel_err"][str(num_splits)] = relative_error(out[real], ref[real])
-        result["padding_zero"] &= bool((out[~real] == 0).all())
-        result["no_nan"] &= not bool(out.float().isnan().any())
-    again = decode_module.decode_attention(q, k_cache, v_cache, tables, lens, scale, k_scale=k_scale,
-                                           v_scale=v_scale, num_splits=splits[-1])
-    result["repeat_equal"] = torch.equal(out, again)
-    return result
-
-
-# Under the interpreter decode uses 16-token tiles. Contexts 0 (padding), 5 (one tile: one live
-# split whatever the count), 40 (3 tiles) and 100 (7 tiles); at 8 and 16 splits a 40- or
-# 100-token context leaves splits empty, and at 2 and 3 the last split is shorter.
-DECODE_SPLIT_CASES = [
-    dict(name="bf16-gqa4-d64", context_lens=[0, 5, 40, 100], num_heads=8, num_kv_heads=2, head_dim=64,
-         dtype="bfloat16", splits=[2, 3, 8, 16]),
-    dict(name="bf16-fp8-cache-scaled-gqa3-d128", context_lens=[33, 0, 90], num_heads=6, num_kv_heads=2,
-         head_dim=128, dtype="bfloat16", cache_dtype="float8_e4m3fn", k_scale=0.37, v_scale=1.9, splits=[3, 16]),
-    dict(name="fp32-mha-d64", context_lens=[70, 0, 18], num_heads=2, num_kv_heads=2, head_dim=64, dtype="float32",
-         splits=[5]),
-]
-
-
-@pytest.fixture(scope="module")
-def decode_split_results() -> dict[str, dict[str, Any]]:
-    pytest.importorskip("triton")
-    from tests.engine.kernel_cases import run_script_under_interpreter
-
-    return run_script_under_interpreter(__file__)
-
-
-def assert_decode_splits_ok(result: dict[str, Any], dtype: str) -> None:
-    assert result["no_nan"] and result["padding_zero"], result
-    assert result["repeat_equal"], result
-    assert all(err < ATTENTION_TOL[dtype] for err in result["rel_err"].values()), result
-
-
-@pytest.mark.parametrize("case", DECODE_SPLIT_CASES, ids=[c["name"] for c in DECODE_SPLIT_CASES])
-def test_decode_splits_interpreter(decode_split_results: dict[str, dict[str, Any]], case: dict[str, Any]) -> None:
-    assert_decode_splits_ok(decode_split_results[case["name"]], case["dtype"])
-
-
-def _interpreter_main(path: str) -> None:
-    """Child process entry: every DECODE_SPLIT_CASES case, results written as JSON to `path`."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from tests.engine.kernel_cases import _patch_interpreter
-
-    torch.set_num_threads(1)
-    _patch_interpreter()  # bf16 tl.dot and fp32 -> bf16 / fp8 rounding as the GPU does them
-    results = {case["name"]: check_decode_splits(**{k: v for k, v in case.items() if k != "name"})
-               for case in DECODE_SPLIT_CASES}
-    Path(path).write_text(json.dumps(results))
-
-
 @pytest.mark.parametrize("case", [
     pytest.param(dict(num_tokens=5, hidden=576, dtype="float32"), id="fp32-residual"),
     pytest.param(dict(num_tokens=7, hidden=576, dtype="bfloat16"), id="bf16-residual"),
@@ -318,6 +184,11 @@ GPU_ATTENTION_CASES = [
     pytest.param(dict(seqs=_ragged(64, 1, 8192, 0), num_decodes=64), id="decode-b64-ragged-8k"),
     pytest.param(dict(seqs=_ragged(256, 1, 2048, 1), num_decodes=256), id="decode-b256-ragged-2k"),
     pytest.param(dict(seqs=_ragged(4, 4000, 9000, 2), num_decodes=4, num_splits=64), id="decode-b4-split64"),
+    # Batch 1 at 1K with the split counts the engine's graphs use at batch 1 (sized for
+    # max_model_len: 33 bf16, 64 fp8), so most splits hold no tile.
+    pytest.param(dict(seqs=[(1, 1088)], num_decodes=1, num_splits=33), id="decode-b1-1k-split33"),
+    pytest.param(dict(seqs=[(1, 1088)], num_decodes=1, num_splits=64, cache_dtype="float8_e4m3fn",
+                      k_scale=0.05, v_scale=0.02), id="decode-b1-1k-split64-fp8"),
     pytest.param(dict(seqs=[(2048, 2048)], num_decodes=0), id="prefill-2k"),
     pytest.param(dict(seqs=[(2048, 32768)], num_decodes=0), id="prefill-chunk-2k-on-30k-prefix"),
     pytest.param(dict(seqs=[(1000, 1000), (517, 3000), (1, 40), (2048, 10000)], num_decodes=0),
@@ -381,72 +252,3 @@ def test_rope_kv_write_gpu(compiled_kernels: None, dtype: str, cache: str | None
 def test_fp8_pairs_gpu(compiled_kernels: None) -> None:
     # The inline cvt.rn.f16x2.e4m3x2 that widens fp8 V tiles in decode attention.
     assert check_fp8_pairs(device="cuda")["exact"]
-
-
-def _contexts(batch: int, low: int, high: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(low, high) for _ in range(batch)]
-
-
-# Batch 1 to 4 at about 1K and 32K tokens, at 7, 33 and 64 splits (33 and 64: what graphs sized
-# for 32K give batch 1 with a bf16 and an fp8 cache; at 1K most of them are empty); one batch
-# with padding rows.
-GPU_SPLIT_CONTEXTS = {f"b{b}-{label}": _contexts(b, low, high, b) for b in (1, 2, 3, 4)
-                      for label, low, high in (("1k", 1000, 1100), ("32k", 31000, 32768))}
-GPU_SPLIT_CONTEXTS["b4-1k-padding"] = [1088, 0, 1000, 0]
-# k_scale, v_scale of these tests' fp8 caches.
-FP8_SCALES = (0.05, 0.02)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("contexts", GPU_SPLIT_CONTEXTS.values(), ids=GPU_SPLIT_CONTEXTS.keys())
-@pytest.mark.parametrize("cache", [None, "float8_e4m3fn"])
-def test_decode_splits_gpu(compiled_kernels: None, contexts: list[int], cache: str | None) -> None:
-    k_scale, v_scale = FP8_SCALES if cache else (1.0, 1.0)
-    result = check_decode_splits(contexts, LLAMA3_8B["num_heads"], LLAMA3_8B["num_kv_heads"], LLAMA3_8B["head_dim"],
-                                 "bfloat16", [7, 33, 64], cache_dtype=cache, k_scale=k_scale, v_scale=v_scale,
-                                 device="cuda")
-    assert_decode_splits_ok(result, "bfloat16")
-
-
-def _llama_decode_inputs(contexts: list[int], cache: str | None,
-                         scales: tuple[float, float]) -> tuple[torch.Tensor, ...]:
-    return paged_decode_inputs(contexts, LLAMA3_8B["num_heads"], LLAMA3_8B["num_kv_heads"], LLAMA3_8B["head_dim"],
-                               "bfloat16", cache, *scales, seed=0, device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cache", [None, "float8_e4m3fn"])
-def test_decode_splits_cuda_graph_gpu(compiled_kernels: None, cache: str | None) -> None:
-    """Captured after one eager call, with the split count the engine's graphs use at batch 4 for
-    32K (max_context_len), then replayed over other lengths, padding rows included: every replay
-    is bit-identical to an eager call on the same inputs and matches the reference."""
-    decode_module = importlib.import_module("lab.engine.kernels.decode_attention")
-    k_scale, v_scale = FP8_SCALES if cache else (1.0, 1.0)
-    q, k_cache, v_cache, tables, lens = _llama_decode_inputs([32768] * 4, cache, (k_scale, v_scale))
-    scale = LLAMA3_8B["head_dim"] ** -0.5
-    out = torch.empty_like(q)
-
-    def step() -> torch.Tensor:
-        return decode_module.decode_attention(q, k_cache, v_cache, tables, lens, scale, out, max_context_len=32768,
-                                              k_scale=k_scale, v_scale=v_scale)
-
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for contexts in ([1088, 32768, 5, 0], [17, 0, 4000, 31000], [1, 1, 1, 1], [0, 0, 0, 0]):
-        lens.copy_(torch.tensor(contexts, dtype=torch.int32))
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        replayed = out.clone()
-        assert torch.equal(replayed, step()), contexts
-        real = lens > 0
-        assert bool((replayed[~real] == 0).all()), contexts
-        if real.any():
-            ref = decode_reference(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale)
-            assert relative_error(replayed[real], ref[real]) < ATTENTION_TOL["bfloat16"], contexts
-
-
-if __name__ == "__main__":
-    _interpreter_main(sys.argv[1])

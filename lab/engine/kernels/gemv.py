@@ -54,11 +54,12 @@ import triton
 import triton.language as tl
 
 from lab.engine.attention import FP8_DTYPES
-from lab.engine.kernels.arrival_counters import MAX_COUNTERS, counter_buffer
 from lab.engine.kernels.rmsnorm import rms_norm
 from lab.engine.kernels.rope_kv_write import rope_and_write_kv, to_cache
 
 MAX_ROWS = 16
+# Largest tile grid that split-K supports: one counter per N tile.
+_MAX_COUNTERS = 1 << 16
 # Rows of the FMA path's accumulator are registers: beyond 4 rows the per-element FMAs cost more
 # than the bandwidth leaves time for.
 MAX_FMA_ROWS = 4
@@ -278,6 +279,7 @@ _TABLE: dict[tuple[int, int, bool], dict[int, GemvConfig]] = {
                             16: GemvConfig(128, 128, 1, 8, 3, True)},
 }
 
+_counters: dict[torch.device, torch.Tensor] = {}
 _sm_counts: dict[torch.device, int] = {}
 
 
@@ -317,6 +319,15 @@ def pick_config(m: int, n: int, k: int, sms: int = 132, silu_mul: bool = False) 
     return default_config(m, n, k, sms)
 
 
+def _counter_buffer(device: torch.device) -> torch.Tensor | None:
+    buffer = _counters.get(device)
+    if buffer is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a zero-fill recorded into the graph would leave it garbage for eager calls
+        buffer = _counters[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+    return buffer
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype | None,
             config: GemvConfig | None, silu_mul: bool, name: str, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0, residual: torch.Tensor | None = None, rope: RopeKV | None = None) -> torch.Tensor:
@@ -347,6 +358,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
                              f"{2 * kv_heads} of them k and v, and no residual; got {n} rows")
         if rope.cos_sin_rows.shape != (m, head_dim) or rope.slot_mapping.shape != (m,):
             raise ValueError(f"{name}: rope needs a [{m}, {head_dim}] cos|sin row and a slot per row of x")
+        kc, vc = rope.k_cache, rope.v_cache
+        if kc.shape != vc.shape or kc.stride() != vc.stride() or kc.stride(-1) != 1 \
+                or rope.cos_sin_rows.stride(-1) != 1:
+            raise ValueError(f"{name}: rope needs k and v caches of one shape and layout, rows contiguous")
+        if kc.dtype not in FP8_DTYPES and (rope.k_scale != 1.0 or rope.v_scale != 1.0):
+            raise ValueError(f"{name}: KV scales apply to fp8 caches only")
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -379,8 +396,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
     blocks_per_split = triton.cdiv(k_blocks, max(1, min(cfg.split_k, k_blocks)))
     split = triton.cdiv(k_blocks, blocks_per_split)
     counters = None
-    if split > 1 and tiles <= MAX_COUNTERS:
-        counters = counter_buffer(x.device)
+    if split > 1 and tiles <= _MAX_COUNTERS:
+        counters = _counter_buffer(x.device)
     if counters is None:
         # Empty stand-ins (null pointers, never dereferenced) keep the argument types of a split
         # launch, so both share one compiled kernel.
@@ -407,18 +424,13 @@ def _rope_arguments(rope: RopeKV | None, n: int, out: torch.Tensor) -> dict:
         return dict(cs_ptr=out, slot_ptr=out, kc_ptr=out, vc_ptr=out, k_scale=1.0, v_scale=1.0, stride_cs=0,
                     stride_cache_block=0, stride_cache_slot=0, stride_cache_head=0, block_size=1, num_heads=0,
                     num_kv_heads=0)
-    kc, vc = rope.k_cache, rope.v_cache
-    if kc.shape != vc.shape or kc.stride() != vc.stride() or kc.stride(-1) != 1 or rope.cos_sin_rows.stride(-1) != 1:
-        raise ValueError("skinny_linear: rope needs k and v caches of one shape and layout, rows contiguous")
-    quantize = kc.dtype in FP8_DTYPES
-    if not quantize and (rope.k_scale != 1.0 or rope.v_scale != 1.0):
-        raise ValueError("skinny_linear: KV scales apply to fp8 caches only")
+    kc, vc = rope.k_cache, rope.v_cache  # checked in _launch
     kv_heads, head_dim = kc.shape[2:]
     return dict(cs_ptr=rope.cos_sin_rows, slot_ptr=rope.slot_mapping, kc_ptr=kc, vc_ptr=vc,
                 k_scale=float(rope.k_scale), v_scale=float(rope.v_scale), stride_cs=rope.cos_sin_rows.stride(0),
                 stride_cache_block=kc.stride(0), stride_cache_slot=kc.stride(1), stride_cache_head=kc.stride(2),
                 block_size=kc.shape[1], num_heads=n // head_dim - 2 * kv_heads, num_kv_heads=kv_heads,
-                ROPE=True, HEAD_DIM=head_dim, QUANTIZE=quantize)
+                ROPE=True, HEAD_DIM=head_dim, QUANTIZE=kc.dtype in FP8_DTYPES)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -434,8 +446,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     folds the scale in at the end (y = rsqrt(mean(x^2) + eps) * sum_k w * x * g), summing x^2 over
     the same tiles of x it already loads, so the norm costs no launch and no extra pass; it never
     splits K. That is on the FMA path (M <= 2 with the tuned configs); the tensor-core path
-    normalises x with rmsnorm.rms_norm first. With `residual` ([M, N], out's dtype) the result is x @ w^T + residual, rounded
-    once: the residual add after an attention or MLP output projection.
+    normalises x with rmsnorm.rms_norm first. With `residual` ([M, N], out's dtype) the result is
+    x @ w^T + residual, rounded once: the residual add after an attention or MLP output projection.
 
     With `rope` the product is a decoder's q|k|v ([M, (H + 2 KVH) * D]): the result comes back
     with q and k rotated, and k and v are stored at their cache slots, as
