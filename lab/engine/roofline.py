@@ -20,11 +20,6 @@ class Ceilings:
     dtype: str
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 WARMUP_S = 0.3
 
 
