@@ -45,11 +45,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, num_splits,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
-                         block_size, head_dim,
-                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         head_dim,
+                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          DOT_FP16: tl.constexpr, V_FP8_PAIRS: tl.constexpr, FP8_ASM: tl.constexpr,
-                         PAGES_AHEAD: tl.constexpr):
+                         PAGES_AHEAD: tl.constexpr, DEFER_SUM: tl.constexpr = False):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,15 +71,20 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         q = q.to(tl.float16)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if DEFER_SUM:
+        l_i = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     # `rows` stands in for query positions, which only the causal mask reads.
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr,
                                  block_tables_ptr + seq * stride_table, kv_head * stride_cache_head,
-                                 start, end, qk_scale, stride_cache_block, stride_cache_slot, block_size,
-                                 dims, dim_mask, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                                 start, end, qk_scale, stride_cache_block, stride_cache_slot,
+                                 dims, dim_mask, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
                                  BLOCK_D=BLOCK_D, V_FP8_PAIRS=V_FP8_PAIRS, FP8_ASM=FP8_ASM,
-                                 PAGES_AHEAD=PAGES_AHEAD)
+                                 PAGES_AHEAD=PAGES_AHEAD, DEFER_SUM=DEFER_SUM)
+    if DEFER_SUM:
+        l_i = tl.sum(l_i, 1)
     # An empty split (or a padding row with no context) has l_i == 0: it stores zeros and
     # lse = -inf, which the merge weighs by zero.
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
@@ -212,10 +217,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * k_scale * math.log2(math.e), float(v_scale), num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        block_size, head_dim,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d,
+        head_dim,
+        BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d,
         DIRECT=direct, DOT_PRECISION=dot_precision(q.dtype), DOT_FP16=dot_fp16, V_FP8_PAIRS=v_pairs,
-        FP8_ASM=_fp8_asm(q.device), PAGES_AHEAD=config.get("PAGES_AHEAD", False),
+        FP8_ASM=_fp8_asm(q.device), PAGES_AHEAD=config.get("PAGES_AHEAD", False), DEFER_SUM=config.get("DEFER_SUM", False),
         num_warps=config["num_warps"], num_stages=config["num_stages"], **extra,
     )
     if not direct:

@@ -47,10 +47,10 @@ def fp8_pairs_to_f16(words, ASM: tl.constexpr):
 
 
 @triton.jit
-def kv_offsets(page, pos, head_offset, stride_cache_block, stride_cache_slot, block_size):
+def kv_offsets(page, pos, head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE: tl.constexpr):
     """Element offsets of positions `pos` (in cache blocks `page`) of one KV head in a cache."""
     # int64 before multiplying: a layer's cache can exceed 2^31 elements.
-    return page.to(tl.int64) * stride_cache_block + (pos % block_size) * stride_cache_slot + head_offset
+    return page.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + head_offset
 
 
 @triton.jit
@@ -81,7 +81,8 @@ def widen_v(v, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, V_FP8_PAIRS: tl.con
 
 
 @triton.jit
-def softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DEFER_SUM: tl.constexpr = False):
     """Scores of the query rows against a K tile folded into the running softmax: returns the
     tile's weights p, the rescale alpha of what came before, and the new (l_i, m_i)."""
     # An fp8 cache widens exactly to the dot dtype (q's); its scale is folded into qk_scale.
@@ -97,15 +98,18 @@ def softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL: tl.cons
     # finite and no exponent is (-inf) - (-inf).
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+    if DEFER_SUM:
+        return p, alpha, l_i * alpha[:, None] + p, m_new
+    else:
+        return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
 def attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-                 start, end, qk_scale, stride_cache_block, stride_cache_slot, block_size, dims, dim_mask,
-                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 start, end, qk_scale, stride_cache_block, stride_cache_slot, dims, dim_mask,
+                 BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  BLOCK_D: tl.constexpr = 0, V_FP8_PAIRS: tl.constexpr = False, FP8_ASM: tl.constexpr = False,
-                 PAGES_AHEAD: tl.constexpr = False):
+                 PAGES_AHEAD: tl.constexpr = False, DEFER_SUM: tl.constexpr = False):
     """Fold KV positions [start, end) into the running (acc, l_i, m_i) of the query rows q.
     CAUSAL masks position n for a row whose query position q_pos < n; otherwise only n >= end is
     masked. Positions past `end` are never loaded, so stale or poisoned cache slots are not read.
@@ -119,29 +123,29 @@ def attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, h
     tile streams in while this one is folded (used by fp8 decode; see decode_attention)."""
     if PAGES_AHEAD:
         pos = start + tl.arange(0, BLOCK_N)
-        pages = tl.load(table_ptr + pos // block_size, mask=pos < end, other=0)
+        pages = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos < end, other=0)
         for tile_start in range(start, end, BLOCK_N):
             pos = tile_start + tl.arange(0, BLOCK_N)
             in_range = pos < end
             next_pos = pos + BLOCK_N
-            next_pages = tl.load(table_ptr + next_pos // block_size, mask=next_pos < end, other=0)
-            offsets = kv_offsets(pages, pos, head_offset, stride_cache_block, stride_cache_slot, block_size)
+            next_pages = tl.load(table_ptr + next_pos // BLOCK_SIZE, mask=next_pos < end, other=0)
+            offsets = kv_offsets(pages, pos, head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE)
             kv_mask = in_range[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             v = widen_v(load_v(v_cache_ptr, offsets, in_range, kv_mask, dims, BLOCK_D, V_FP8_PAIRS),
                         BLOCK_N, BLOCK_D, V_FP8_PAIRS, FP8_ASM)
-            p, alpha, l_i, m_i = softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL, DOT_PRECISION)
+            p, alpha, l_i, m_i = softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL, DOT_PRECISION, DEFER_SUM)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             pages = next_pages
     else:
         for tile_start in range(start, end, BLOCK_N):
             pos = tile_start + tl.arange(0, BLOCK_N)
             in_range = pos < end
-            page = tl.load(table_ptr + pos // block_size, mask=in_range, other=0)
-            offsets = kv_offsets(page, pos, head_offset, stride_cache_block, stride_cache_slot, block_size)
+            page = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0)
+            offsets = kv_offsets(page, pos, head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE)
             kv_mask = in_range[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            p, alpha, l_i, m_i = softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL, DOT_PRECISION)
+            p, alpha, l_i, m_i = softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL, DOT_PRECISION, DEFER_SUM)
             v = widen_v(load_v(v_cache_ptr, offsets, in_range, kv_mask, dims, BLOCK_D, V_FP8_PAIRS),
                         BLOCK_N, BLOCK_D, V_FP8_PAIRS, FP8_ASM)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)

@@ -25,8 +25,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
                     out_ptr, qk_scale, v_scale, first_seq,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
-                    block_size, head_dim,
-                    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    head_dim,
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP16: tl.constexpr):
     # Query blocks further along the diagonal see more keys: launch them first so the longest
     # programs do not form the tail of the grid.
@@ -67,11 +67,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     unmasked_end = (prefix_len + first_token + 1) // BLOCK_N * BLOCK_N
     kv_end = prefix_len + tl.minimum(first_token + BLOCK_Q, query_len)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, head_offset,
-                                 0, unmasked_end, qk_scale, stride_cache_block, stride_cache_slot, block_size,
-                                 dims, dim_mask, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                                 0, unmasked_end, qk_scale, stride_cache_block, stride_cache_slot,
+                                 dims, dim_mask, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, head_offset,
-                                 unmasked_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot, block_size,
-                                 dims, dim_mask, CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                                 unmasked_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
+                                 dims, dim_mask, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
     out = acc * (v_scale / l_i)[:, None]
     tl.store(out_ptr + (query_start + tokens)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -117,8 +117,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale * k_scale * math.log2(math.e), float(v_scale), first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        k_cache.shape[1], head_dim,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
+        head_dim,
+        BLOCK_SIZE=k_cache.shape[1], GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
         BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(q.dtype),
         DOT_FP16=dot_in_fp16(q.dtype, k_cache.dtype),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
