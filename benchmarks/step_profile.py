@@ -1,0 +1,80 @@
+"""Where one decode step's GPU time goes, by kernel, with many requests running: the engine runs
+`--requests` prompts of `--prompt-tokens` until every sequence is `--decode-before` tokens into
+decode, then torch.profiler records `--steps` steps (CUDA graphs as the engine replays them).
+
+    python benchmarks/step_profile.py --kv-cache-dtype fp8      # dummy:llama3-8b, 256 x 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lab.engine.config import from_sources
+from lab.engine.llm import LLM
+from lab.engine.sampling_params import SamplingParams
+
+# Kernel-name fragments, first match wins: what each part of a step is.
+PARTS = [("attention", ("_decode_split", "_decode_merge")), ("gemv", ("_skinny",)),
+         ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "Kernel2")),
+         ("norm", ("rms",)), ("rope/kv write", ("rope", "kv_cache", "_write_kv")),
+         ("activation", ("silu", "act_and_mul")), ("sampling", ("argmax", "max", "reduce", "sort", "topk"))]
+
+
+def part(name: str) -> str:
+    lowered = name.lower()
+    return next((p for p, keys in PARTS if any(k.lower() in lowered for k in keys)), "other")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dummy:llama3-8b")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--decode-before", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args()
+    cfg = from_sources({"model": args.model, "dtype": "bfloat16", "kv_cache_dtype": args.kv_cache_dtype,
+                        "max_model_len": args.max_model_len, "max_num_seqs": args.requests, "max_num_batched_tokens": 8192},
+                       environ={})
+    engine = LLM(config=cfg).engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.decode_before + args.steps + 8, temperature=0, ignore_eos=True,
+                            detokenize=False)
+    for i in range(args.requests):
+        engine.add_request(f"r{i}", torch.randint(10, min(30000, engine.model_config.vocab_size), (args.prompt_tokens,), generator=gen).tolist(), params)
+    for _ in range(10_000):
+        engine.step()
+        running = engine.scheduler.running
+        if len(running) == args.requests and min(s.num_tokens for s in running) >= args.prompt_tokens + args.decode_before:
+            break
+    torch.cuda.synchronize()
+    context = sum(s.num_tokens for s in engine.scheduler.running) / args.requests
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.device_time / args.steps
+    total = sum(per_kernel.values()) or float("nan")
+    print(f"{args.model} kv {args.kv_cache_dtype}: {args.requests} sequences at {context:.0f} tokens of context, "
+          f"{total / 1e3:.2f} ms of kernels per step ({args.steps} steps)")
+    by_part: dict[str, float] = collections.defaultdict(float)
+    for name, us in per_kernel.items():
+        by_part[part(name)] += us
+    for name, us in sorted(by_part.items(), key=lambda x: -x[1]):
+        print(f"  {name:14} {us / 1e3:7.3f} ms  {us / total:6.1%}")
+    print("top kernels:")
+    for name, us in sorted(per_kernel.items(), key=lambda x: -x[1])[:14]:
+        print(f"  {us / 1e3:7.3f} ms  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
