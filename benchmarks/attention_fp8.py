@@ -1,6 +1,6 @@
-"""fp8-cache decode attention variants on a GPU, one call: launch configurations, the deferred
-row sum (DEFER_SUM) and, when a staged copy of an older kernel is on the path (module old_attn),
-that kernel beside the current one. Llama-3-8B shapes, graph-replayed steps (bench_kernels).
+"""fp8-cache decode attention variants on a GPU, one call: launch configurations beside the
+default and, when a staged copy of an older kernel is on the path (module old_attn), that kernel
+beside the current one. Llama-3-8B shapes, graph-replayed steps (bench_kernels).
 
     python benchmarks/attention_fp8.py              # the table
     python benchmarks/attention_fp8.py --ncu LABEL  # a few eager launches of one variant, for ncu
@@ -22,16 +22,13 @@ SHAPES = [(FP8, 256, 1536, None), (FP8, 64, 4096, None), (FP8, 32, 2048, None), 
           (torch.bfloat16, 256, 1536, None), (torch.bfloat16, 1, 1024, 131072)]
 FP8_CONFIGS = {
     "default": {},
-    "defer": {"DEFER_SUM": True},
-    "n32s4": {"BLOCK_N": 32, "num_stages": 4},
-    "n32s4-defer": {"BLOCK_N": 32, "num_stages": 4, "DEFER_SUM": True},
-    "n128s2": {"BLOCK_N": 128, "num_stages": 2},
-    "n128s2-defer": {"BLOCK_N": 128, "num_stages": 2, "DEFER_SUM": True},
-    "n64s2-defer": {"num_stages": 2, "DEFER_SUM": True},
-    "w2": {"num_warps": 2},
-    "w2-defer": {"num_warps": 2, "DEFER_SUM": True},
+    "4 warps": {"num_warps": 4},
+    "n32 s4": {"BLOCK_N": 32, "num_stages": 4},
+    "n128 s2": {"BLOCK_N": 128, "num_stages": 2},
+    "n64 s2": {"num_stages": 2},
+    "n32 1 warp": {"BLOCK_N": 32, "num_warps": 1},
 }
-BF16_CONFIGS = {"default": {}, "defer": {"DEFER_SUM": True}}
+BF16_CONFIGS = {"default": {}}
 
 
 def old_kernel():

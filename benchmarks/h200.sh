@@ -4,7 +4,9 @@
 # limit and writes under $OUT, so one failing stage still leaves the others' figures.
 #   usage (device command): bash benchmarks/h200.sh COMMIT [STAGE ...]
 #   stages: bf16 fp8 tests kernels smollm2 (default: all five); bf16-noref is bf16 without transformers;
-#   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B)
+#   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B); attn is the fp8 decode attention
+#   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
+#   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -37,6 +39,10 @@ for stage in $stages; do
             tests/engine/test_kernels.py tests/engine/test_kernel_gemv.py > "$OUT/gpu_tests.txt" 2>&1 ;;
     kernels) { timeout 90 python3 -m lab.engine.kernels.bench_gemv; timeout 90 python3 -m lab.engine.kernels.bench_kernels; } \
             > "$OUT/kernels.txt" 2>&1 ;;
+    attn) PYTHONPATH=$PYTHONPATH:$PWD/.cache/stage timeout 150 python3 benchmarks/attention_fp8.py \
+            > "$OUT/attention_fp8.txt" 2>&1 ;;
+    profile) { timeout 120 python3 benchmarks/step_profile.py --kv-cache-dtype fp8;
+            timeout 100 python3 benchmarks/step_profile.py; } > "$OUT/step_profile.txt" 2>&1 ;;
     smollm2) timeout 80 python3 -m lab.engine bench --model dummy:smollm2-135m --dtype bfloat16 \
             --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 256 --prompt-tokens 1024 \
             --decode-tokens 64 --concurrency 32 --prefill-lengths 2048,8000 --repeats 2 --throughput 64,256 \
@@ -46,3 +52,4 @@ for stage in $stages; do
 done
 cat "$OUT/env.txt"
 for f in "$OUT"/*.txt; do [ "$f" = "$OUT/env.txt" ] || { echo "== $f"; grep -E "figure:|reference|passed|failed|Error" "$f" | cut -c 60-220; }; done
+for f in "$OUT"/attention_fp8.txt "$OUT"/step_profile.txt; do [ -f "$f" ] && { echo "== $f"; grep -v -i warn "$f" | cut -c 1-120; }; done

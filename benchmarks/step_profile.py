@@ -44,7 +44,9 @@ def main() -> None:
                        environ={})
     engine = LLM(config=cfg).engine
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=args.decode_before + args.steps + 8, temperature=0, ignore_eos=True,
+    # Sequences start decoding a few steps apart (prefill is chunked), so none may finish before
+    # the last one is `decode_before` tokens in.
+    params = SamplingParams(max_tokens=args.max_model_len - args.prompt_tokens, temperature=0, ignore_eos=True,
                             detokenize=False)
     for i in range(args.requests):
         engine.add_request(f"r{i}", torch.randint(10, min(30000, engine.model_config.vocab_size), (args.prompt_tokens,), generator=gen).tolist(), params)

@@ -20,8 +20,9 @@ fp16. Two things keep that work off the memory's critical path (paged_tiles): V 
 pairs and widened in registers before its layout change (Triton would otherwise read the fp8 V
 tile back from shared memory one byte per load), and the block-table lookups run one tile ahead
 so Triton double-buffers the K/V copies (PAGES_AHEAD). On an H200 (bench_kernels.py --sweep
-configs, Llama-3-8B shapes) this reads fp8 at 57-62 % of the copy bandwidth at batch 64-256 and
-1K-32K contexts, against 43-49 % before; bf16 reads at 89-106 %.
+configs, Llama-3-8B shapes) this read fp8 at 57-62 % of the copy bandwidth at batch 64-256 and
+1K-32K contexts, against 43-49 % before; with two warps a program and the softmax sums kept per
+column until the loop ends, 59-70 % (benchmarks/attention_fp8.py). bf16 reads at 89-106 %.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          DOT_FP16: tl.constexpr, V_FP8_PAIRS: tl.constexpr, FP8_ASM: tl.constexpr,
-                         PAGES_AHEAD: tl.constexpr, DEFER_SUM: tl.constexpr = False):
+                         PAGES_AHEAD: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,20 +72,18 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         q = q.to(tl.float16)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if DEFER_SUM:
-        l_i = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    # Softmax sums kept per tile column and summed once after the loop: the warps split a tile's
+    # columns, so a per-tile row sum is a cross-warp reduction (shared memory and barriers).
+    l_cols = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     # `rows` stands in for query positions, which only the causal mask reads.
-    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr,
-                                 block_tables_ptr + seq * stride_table, kv_head * stride_cache_head,
-                                 start, end, qk_scale, stride_cache_block, stride_cache_slot,
-                                 dims, dim_mask, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                                 BLOCK_D=BLOCK_D, V_FP8_PAIRS=V_FP8_PAIRS, FP8_ASM=FP8_ASM,
-                                 PAGES_AHEAD=PAGES_AHEAD, DEFER_SUM=DEFER_SUM)
-    if DEFER_SUM:
-        l_i = tl.sum(l_i, 1)
+    acc, l_cols, m_i = attend_tiles(acc, l_cols, m_i, q, rows, k_cache_ptr, v_cache_ptr,
+                                    block_tables_ptr + seq * stride_table, kv_head * stride_cache_head,
+                                    start, end, qk_scale, stride_cache_block, stride_cache_slot, dims, dim_mask,
+                                    BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N,
+                                    DOT_PRECISION=DOT_PRECISION, BLOCK_D=BLOCK_D, V_FP8_PAIRS=V_FP8_PAIRS,
+                                    FP8_ASM=FP8_ASM, PAGES_AHEAD=PAGES_AHEAD, DEFER_SUM=True)
+    l_i = tl.sum(l_cols, 1)
     # An empty split (or a padding row with no context) has l_i == 0: it stores zeros and
     # lse = -inf, which the merge weighs by zero.
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
@@ -166,8 +165,14 @@ def _launch_config(device: torch.device, num_splits: int, cache_dtype: torch.dty
     # (with or without pages ahead) 1.05x, 32-token tiles with 4 buffers 1.12x, 64-token tiles
     # with 3 buffers 1.16x, a 96-register cap 1.18x, fp8 read as Triton lowers it 1.22x, 8 warps
     # 1.27x. (128-token tiles with 2 splits were 6 % faster at batch 64 / 32K only.)
+    # Then, with the block size a constexpr and the softmax sums deferred to the end of the loop
+    # (benchmarks/attention_fp8.py; ncu: the shared-memory pipe 78 % busy, DRAM 56 %, short-
+    # scoreboard stalls the largest share), 2 warps beat 4: fp8 at batch 256 / 1.5K in 270 against
+    # 283 us (70 % of the copy bandwidth; 326 us before both changes), batch 64 / 4K 182 against
+    # 193, batch 32 / 2K 53.5 against 56.4; batch 1 unchanged. Each warp of 2 holds half the tile's
+    # columns instead of a quarter: fewer cross-warp exchanges per byte.
     if cache_dtype in FP8_DTYPES:
-        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PAGES_AHEAD": True}
+        return {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "PAGES_AHEAD": True}
     block_n = 128 if num_splits > 1 else 64
     return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
 
@@ -218,9 +223,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         head_dim,
-        BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=config["BLOCK_N"],
+        BLOCK_D=block_d,
         DIRECT=direct, DOT_PRECISION=dot_precision(q.dtype), DOT_FP16=dot_fp16, V_FP8_PAIRS=v_pairs,
-        FP8_ASM=_fp8_asm(q.device), PAGES_AHEAD=config.get("PAGES_AHEAD", False), DEFER_SUM=config.get("DEFER_SUM", False),
+        FP8_ASM=_fp8_asm(q.device), PAGES_AHEAD=config.get("PAGES_AHEAD", False),
         num_warps=config["num_warps"], num_stages=config["num_stages"], **extra,
     )
     if not direct:

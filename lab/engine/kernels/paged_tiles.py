@@ -84,7 +84,8 @@ def widen_v(v, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, V_FP8_PAIRS: tl.con
 def softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DEFER_SUM: tl.constexpr = False):
     """Scores of the query rows against a K tile folded into the running softmax: returns the
-    tile's weights p, the rescale alpha of what came before, and the new (l_i, m_i)."""
+    tile's weights p, the rescale alpha of what came before, and the new (l_i, m_i). DEFER_SUM:
+    l_i is [rows, BLOCK_N], the sums per tile column, which the caller sums at the end."""
     # An fp8 cache widens exactly to the dot dtype (q's); its scale is folded into qk_scale.
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL:
@@ -134,7 +135,8 @@ def attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, h
             k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             v = widen_v(load_v(v_cache_ptr, offsets, in_range, kv_mask, dims, BLOCK_D, V_FP8_PAIRS),
                         BLOCK_N, BLOCK_D, V_FP8_PAIRS, FP8_ASM)
-            p, alpha, l_i, m_i = softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL, DOT_PRECISION, DEFER_SUM)
+            p, alpha, l_i, m_i = softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL, DOT_PRECISION,
+                                                DEFER_SUM)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             pages = next_pages
     else:
@@ -145,7 +147,8 @@ def attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, h
             offsets = kv_offsets(page, pos, head_offset, stride_cache_block, stride_cache_slot, BLOCK_SIZE)
             kv_mask = in_range[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            p, alpha, l_i, m_i = softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL, DOT_PRECISION, DEFER_SUM)
+            p, alpha, l_i, m_i = softmax_step(q, k, q_pos, pos, in_range, l_i, m_i, qk_scale, CAUSAL, DOT_PRECISION,
+                                                DEFER_SUM)
             v = widen_v(load_v(v_cache_ptr, offsets, in_range, kv_mask, dims, BLOCK_D, V_FP8_PAIRS),
                         BLOCK_N, BLOCK_D, V_FP8_PAIRS, FP8_ASM)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)

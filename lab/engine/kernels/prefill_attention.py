@@ -26,7 +26,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
                     head_dim,
-                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP16: tl.constexpr):
     # Query blocks further along the diagonal see more keys: launch them first so the longest
     # programs do not form the tail of the grid.
@@ -68,10 +69,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     kv_end = prefix_len + tl.minimum(first_token + BLOCK_Q, query_len)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, head_offset,
                                  0, unmasked_end, qk_scale, stride_cache_block, stride_cache_slot,
-                                 dims, dim_mask, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                                 dims, dim_mask, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N,
+                                 DOT_PRECISION=DOT_PRECISION)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, head_offset,
                                  unmasked_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
-                                 dims, dim_mask, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                                 dims, dim_mask, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=True, BLOCK_N=BLOCK_N,
+                                 DOT_PRECISION=DOT_PRECISION)
     out = acc * (v_scale / l_i)[:, None]
     tl.store(out_ptr + (query_start + tokens)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
