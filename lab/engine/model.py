@@ -44,6 +44,7 @@ class Ops:
     reference. A backend may add kernels for decode-sized products (`skinny_*`, used for products
     of at most `skinny_rows` rows) and one that applies RoPE and writes the KV cache together."""
     rms_norm: Callable = layers.rms_norm
+    silu_and_mul: Callable = layers.silu_and_mul
     apply_rope_rows: Callable = layers.apply_rope_rows
     skinny_rows: int = 0
     # (x, w, out_dtype=None, norm_weight=None, eps=, residual=None) -> x @ w.T, see gemv.skinny_linear
@@ -165,7 +166,7 @@ class Model:
             return ops.skinny_silu_mul_linear(gate_up, layer.down, residual=residual), None
         if ops.skinny_silu_mul_linear is not None and gate_up.shape[0] <= ops.skinny_rows:
             return ops.skinny_silu_mul_linear(gate_up, layer.down), residual
-        return self.linear(layers.silu_and_mul(gate_up), layer.down), residual
+        return self.linear(ops.silu_and_mul(gate_up), layer.down), residual
 
     @property
     def dtype(self) -> torch.dtype:

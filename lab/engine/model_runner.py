@@ -52,7 +52,7 @@ def make_backends(config: EngineConfig, device: torch.device) -> tuple[Attention
         return TorchAttention(), Ops()
     if device.type != "cuda":
         raise ConfigError("--attention-backend triton needs --device cuda (use torch on the CPU)")
-    from lab.engine.kernels import gemv, rmsnorm
+    from lab.engine.kernels import gemv, rmsnorm, silu_mul
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.triton_attention import TritonAttention
 
@@ -63,7 +63,7 @@ def make_backends(config: EngineConfig, device: torch.device) -> tuple[Attention
         # In place: q and k are views of this layer's qkv product, which nothing else reads.
         return rope_and_write_kv(q, k, v, rows, k_cache, v_cache, slots, attention.k_scale, attention.v_scale)
 
-    ops = Ops(rms_norm=rmsnorm.rms_norm, rope_write_kv=rope_write_kv)
+    ops = Ops(rms_norm=rmsnorm.rms_norm, silu_and_mul=silu_mul.silu_and_mul, rope_write_kv=rope_write_kv)
     if config.gemv_backend != "torch":
         ops.skinny_rows = gemv.MAX_ROWS
         ops.skinny_linear = gemv.skinny_linear

@@ -239,6 +239,27 @@ def check_rms_norm(num_tokens: int, hidden: int, dtype: str = "float32", weight_
     }
 
 
+def check_silu_and_mul(num_tokens: int, inter: int, dtype: str = "float32", seed: int = 0,
+                       device: str = "cpu") -> dict[str, Any]:
+    """kernels.silu_and_mul against layers.silu_and_mul, on gate | up with gates out to +-12 (where
+    SiLU saturates and underflows), into a NaN-poisoned output."""
+    from lab.engine.kernels import silu_and_mul
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = (4 * _randn(gen, num_tokens, 2 * inter)).clamp(-12, 12).to(_dtype(dtype))
+    ref = layers.silu_and_mul(gate_up)
+    out = torch.full_like(ref, float("nan"))
+    got = silu_and_mul(gate_up, out=out)
+    mismatch = (got.float() != ref.float())
+    return {
+        "rel_err": relative_error(got, ref),
+        "mismatch_fraction": mismatch.float().mean().item(),
+        "dtype_match": got.dtype == ref.dtype and got.shape == ref.shape,
+        "all_written": not bool(_isnan(got).any()),
+        "returned_out": got.data_ptr() == out.data_ptr(),
+    }
+
+
 def check_rope_kv_write(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: str = "float32",
                         cache_dtype: str | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                         block_size: int = 16, max_positions: int = 4096, seed: int = 0,
@@ -347,7 +368,7 @@ def check_num_splits(shapes: list[list[int]]) -> dict[str, Any]:
 
 
 CHECKS = {f.__name__: f for f in (check_attention, check_padding_rows, check_rms_norm, check_rope_kv_write,
-                                  check_fp8_pairs, check_num_splits)}
+                                  check_silu_and_mul, check_fp8_pairs, check_num_splits)}
 
 
 # ----------------------------------------------------------------------------------------------

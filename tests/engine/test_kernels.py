@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.engine.kernel_cases import (InterpreterWorker, check_attention, check_fp8_pairs, check_padding_rows,
-                                       check_rms_norm, check_rope_kv_write)
+                                       check_rms_norm, check_rope_kv_write, check_silu_and_mul)
 
 # ||out - ref|| / ||ref||. fp32 attention runs IEEE fp32 dots (no tf32), so 1e-4 leaves room only
 # for summation order; bf16 rounds P and the output.
@@ -127,6 +127,32 @@ def test_rms_norm_interpreter(interpreter: InterpreterWorker, case: dict[str, An
     assert result["all_written"] and result["dtype_match"], result
     assert result["normed_rel_err"] < ELEMENTWISE_TOL[case["dtype"]], result
     assert result["residual_rel_err"] < ELEMENTWISE_TOL[case["dtype"]], result
+
+
+def assert_silu_and_mul_ok(result: dict[str, Any], dtype: str) -> None:
+    assert result["all_written"] and result["dtype_match"] and result["returned_out"], result
+    assert result["rel_err"] < ELEMENTWISE_TOL[dtype], result
+    if dtype != "float32":
+        # The reference's two 16-bit roundings, done in one kernel: a float32 exp an ulp apart
+        # from PyTorch's may tip a rounding now and then, never often.
+        assert result["mismatch_fraction"] < 0.01, result
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(num_tokens=3, inter=1536, dtype="float32"), id="fp32"),
+    pytest.param(dict(num_tokens=5, inter=1000, dtype="bfloat16"), id="bf16-ragged"),
+    pytest.param(dict(num_tokens=2, inter=700, dtype="float16"), id="fp16-ragged"),
+])
+def test_silu_and_mul_interpreter(interpreter: InterpreterWorker, case: dict[str, Any]) -> None:
+    assert_silu_and_mul_ok(interpreter.run("check_silu_and_mul", **case), case["dtype"])
+
+
+def test_silu_and_mul_rejects_an_odd_width() -> None:
+    from lab.engine.kernels.silu_mul import silu_and_mul
+
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="even last dimension"):
+        silu_and_mul(torch.zeros(2, 7))
 
 
 def assert_rope_kv_write_ok(result: dict[str, Any], dtype: str, fp8: bool) -> None:
@@ -246,6 +272,13 @@ def test_rope_kv_write_gpu(compiled_kernels: None, dtype: str, cache: str | None
     result = check_rope_kv_write(4099, 32, 8, 128, dtype, cache_dtype=cache, max_positions=131072, device="cuda",
                                  **scales)
     assert_rope_kv_write_ok(result, dtype, cache is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("inter", [1536, 14336])
+def test_silu_and_mul_gpu(compiled_kernels: None, dtype: str, inter: int) -> None:
+    assert_silu_and_mul_ok(check_silu_and_mul(4099, inter, dtype, device="cuda"), dtype)
 
 
 @pytest.mark.gpu

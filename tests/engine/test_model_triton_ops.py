@@ -30,7 +30,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _compare_steps() -> list[float]:
     from lab.engine.attention import TorchAttention
     from lab.engine.attention_metadata import build_metadata
-    from lab.engine.kernels import gemv, rmsnorm
+    from lab.engine.kernels import gemv, rmsnorm, silu_mul
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.loader import load_model
     from lab.engine.model import Model, Ops
@@ -47,9 +47,9 @@ def _compare_steps() -> list[float]:
         rope = gemv.RopeKV(rows, k_cache, v_cache, slots)
         return gemv.skinny_linear(x, w, norm_weight=norm_weight, eps=eps, rope=rope)
 
-    ops = Ops(rms_norm=rmsnorm.rms_norm, rope_write_kv=rope_and_write_kv, skinny_rows=gemv.MAX_ROWS,
-              skinny_linear=gemv.skinny_linear, skinny_silu_mul_linear=gemv.skinny_silu_mul_linear,
-              skinny_qkv_rope_kv=qkv_rope_kv)
+    ops = Ops(rms_norm=rmsnorm.rms_norm, silu_and_mul=silu_mul.silu_and_mul, rope_write_kv=rope_and_write_kv,
+              skinny_rows=gemv.MAX_ROWS, skinny_linear=gemv.skinny_linear,
+              skinny_silu_mul_linear=gemv.skinny_silu_mul_linear, skinny_qkv_rope_kv=qkv_rope_kv)
     fast, fast_kv = build(TritonAttention(), ops)
     ref, ref_kv = build(TorchAttention(), None)
     gen = torch.Generator().manual_seed(0)
