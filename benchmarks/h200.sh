@@ -6,7 +6,8 @@
 #   stages: bf16 fp8 tests kernels smollm2 (default: all five); bf16-noref is bf16 without transformers;
 #   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B); attn is the fp8 decode attention
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
-#   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV
+#   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV; prefill-ref is
+#   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -30,6 +31,8 @@ for stage in $stages; do
     bf16-noref) timeout 200 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
             --concurrency 32 --repeats 2 --reference none --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" \
             > "$OUT/llama3_8b_bf16.txt" 2>&1 ;;
+    prefill-ref) timeout 240 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192 --concurrency 32 \
+            --repeats 3 --throughput "" --json "$OUT/llama3_8b_prefill_ref.json" > "$OUT/llama3_8b_prefill_ref.txt" 2>&1 ;;
     decode) timeout 120 python3 -m lab.engine bench "${big[@]}" --prefill-lengths "" --concurrency 32 --repeats 3 \
             --reference none --json "$OUT/llama3_8b_decode.json" > "$OUT/llama3_8b_decode.txt" 2>&1 ;;
     fp8) timeout 120 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
