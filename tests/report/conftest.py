@@ -1,4 +1,5 @@
-"""Stores for compare/report/export tests: runs built cell by cell, and one real quickstart run.
+"""Stores for compare/report/export tests: runs built cell by cell, and one real run of the quickstart
+with its instruments shrunk.
 
 `build_run` writes through the same writer `lab run` uses, so a constructed run is exactly what a
 real one would store; only the figures are chosen by the test.
@@ -14,10 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 from sqlalchemy import select
 
+from lab.arms.ladder import Ladder
 from lab.arms.render import plan
-from lab.arms.validate import parse_ladder
+from lab.arms.validate import load_ladder, parse_ladder
 from lab.instruments.base import Cell, QevalItem, Step, StepResult
 from lab.store import models as m
 from lab.store import writer
@@ -111,19 +114,51 @@ def lab_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
                           timeout=900)
 
 
+# What the report, compare and notebook tests read from a real run is its shape (every boot of a
+# window, every instrument's cells, the KEEP rule's rows and verdicts), not the size of each
+# measurement: `make demo` runs the full-size quickstart. The key metrics' `where` (prefill length
+# 1024, decode level 4) stay among the parameters so the ladder's own rule still applies.
+SMALL_INSTRUMENTS: dict[str, dict[str, object]] = {
+    "qeval": {"per_category": 1, "max_tokens_scale": 0.25},  # one task per category, code run included
+    "agreement": {"prompts": 2, "max_tokens": 4},
+    "prefill": {"lengths": [128, 1024], "reps": 1},
+    "needle": {"lengths": [256], "depths": [0.5]},
+    "decode": {"levels": [4, 8], "max_tokens": 4},  # eight streams per level: one or two batches each
+    # 512 tokens take about a second to prefill on two cores, ten times the delay: the short chat
+    # still lands behind it on a much faster machine.
+    "mixed": {"long_tokens": 512, "delay_s": 0.1, "short_max_tokens": 4},
+}
+
+
+def small_quickstart(directory: Path) -> Path:
+    """ladders/quickstart.yaml as written (engine, window, arms, KEEP rule, hygiene, warm-up boot),
+    each instrument it lists with the parameters of SMALL_INSTRUMENTS."""
+    ladder = yaml.safe_load((REPO / "ladders" / "quickstart.yaml").read_text())
+    ladder["name"] = f"{ladder['name']}-small"
+    ladder["instruments"] = {name: SMALL_INSTRUMENTS.get(name, params)
+                             for name, params in ladder["instruments"].items()}
+    path = directory / "quickstart-small.yaml"
+    path.write_text(yaml.safe_dump(ladder, sort_keys=False))
+    return path
+
+
 @dataclass(frozen=True)
 class Quickstart:
     directory: Path
     db: Path
     run: str
+    ladder_path: Path
+
+    @property
+    def ladder(self) -> Ladder:
+        return load_ladder(self.ladder_path)[0]
 
 
 @pytest.fixture(scope="session")
 def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Quickstart:
-    """`lab run ladders/quickstart.yaml` once per test session, on the bundled engine and SmolLM2."""
+    """`lab run` of the small quickstart once per test session, on the bundled engine and SmolLM2."""
     directory = tmp_path_factory.mktemp("quickstart")
-    done = lab_cli(["run", str(REPO / "ladders" / "quickstart.yaml"), "--name", "qs", "--db", "lab.db",
-                    "--runs-dir", "runs"], directory)
+    ladder = small_quickstart(directory)
+    done = lab_cli(["run", str(ladder), "--name", "qs", "--db", "lab.db", "--runs-dir", "runs"], directory)
     assert done.returncode == 0, done.stdout + done.stderr
-    return Quickstart(directory, directory / "lab.db", "qs")
-
+    return Quickstart(directory, directory / "lab.db", "qs", ladder)

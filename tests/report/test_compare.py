@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from lab.arms.validate import load_ladder
 from lab.compare import CompareError, compare
 from lab.instruments.base import Cell
 from lab.store import models as m
 from lab.store.db import open_store
-from tests.report.conftest import REPO, Boot, Quickstart, build_run, lab_cli
+from tests.report.conftest import Boot, Quickstart, build_run, lab_cli
 
 KEY = "memory.kv_pool_tokens"
 FLOOR = "memory.host_mem_available_floor_gib"
@@ -128,14 +127,14 @@ def test_lab_compare_prints_the_table_and_the_stored_verdict(quickstart: Quickst
     header = next(line for line in out.splitlines() if "metric" in line and "Δ %" in line)
     for column in ("rule", "A", "B", "noise band", "statistics"):
         assert column in header
-    for ref in load_ladder(REPO / "ladders" / "quickstart.yaml")[0].keep.metric_refs():
+    for ref in quickstart.ladder.keep.metric_refs():
         assert label_of(ref) in out  # every key metric the ladder names is a row
     assert "key: higher is better" in out and "key: lower is better" in out
     assert "memory.host_mem_available_floor_gib (GiB)" in out and "gate: ≥ 1" in out
     assert f"KEEP C1mnbt256: {decision} against C0ctl (window W1)" in out
     assert f"· {reasons[0]}" in out
     assert "KEEP C0ctl: not judged (a control: the reference of its window)" in out
-    measured = {name for name, _ in load_ladder(REPO / "ladders" / "quickstart.yaml")[0].instruments.sections()}
+    measured = {name for name, _ in quickstart.ladder.instruments.sections()}
     if "qeval" in measured:
         assert re.search(r"qeval, \d+ tasks paired .* B C1mnbt256 passed .* B failed", out)
         assert re.search(r"A C0ctl/open passed .* \d+ broke", out) and "exact McNemar p=" in out
@@ -148,7 +147,7 @@ def test_lab_compare_json_is_the_same_comparison_for_machines(quickstart: Quicks
     done = lab_cli(["compare", "qs:C0ctl", "qs:C2nopc", "--json", "--db", str(quickstart.db)], quickstart.directory)
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
-    keep = load_ladder(REPO / "ladders" / "quickstart.yaml")[0].keep
+    keep = quickstart.ladder.keep
     assert [(row["metric"], row["kind"]) for row in data["rows"]] == (
         [(label_of(ref), "key") for ref in keep.metric_refs()] + [(gate.metric, "gate") for gate in keep.gates])
     row = data["rows"][0]

@@ -6,7 +6,6 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from lab.arms.validate import load_ladder
 from tests.report.conftest import REPO, Quickstart
 
 pytestmark = pytest.mark.slow
@@ -27,10 +26,10 @@ def test_the_analysis_notebook_runs_on_the_quickstart_store(quickstart: Quicksta
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(quickstart.directory)}}).execute()
 
-    ladder, _ = load_ladder(REPO / "ladders" / "quickstart.yaml")
+    ladder = quickstart.ladder
     measured = {name for name, _ in ladder.instruments.sections()}
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    assert outputs(code[1])[0].startswith("run qs (ladder quickstart, done)")
+    assert outputs(code[1])[0].startswith(f"run qs (ladder {ladder.name}, done)")
     for instrument in ("decode", "prefill"):
         opening = f'{instrument} = cells[cells["instrument"] == "{instrument}"]'
         [cell] = [c for c in code if c.source.startswith(opening)]

@@ -13,7 +13,6 @@ import pytest
 from matplotlib.figure import Figure
 from sqlalchemy import select
 
-from lab.arms.validate import load_ladder
 from lab.instruments.base import Cell
 from lab.report import figures
 from lab.report.build import write_report
@@ -21,7 +20,7 @@ from lab.report.data import load
 from lab.store import models as m
 from lab.store.db import open_store
 from lab.verdicts import judge_run
-from tests.report.conftest import REPO, Boot, Quickstart, build_run, lab_cli
+from tests.report.conftest import Boot, Quickstart, build_run, lab_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Figure file -> the instrument it needs (None: every run has it).
@@ -45,9 +44,8 @@ def report(quickstart: Quickstart) -> Path:
 
 
 @pytest.mark.slow
-def test_the_quickstart_report_has_every_figure_its_instruments_allow(report: Path) -> None:
-    ladder, _ = load_ladder(REPO / "ladders" / "quickstart.yaml")
-    measured = {name for name, _ in ladder.instruments.sections()}
+def test_the_quickstart_report_has_every_figure_its_instruments_allow(report: Path, quickstart: Quickstart) -> None:
+    measured = {name for name, _ in quickstart.ladder.instruments.sections()}
     expected = {name for name, needs in FIGURES.items() if needs is None or needs in measured}
     assert {p.stem for p in report.glob("*.png")} == expected
     for name in expected:
