@@ -21,6 +21,7 @@ from lab.arms.ladder import BundledEngine, Ladder
 from lab.arms.render import Plan
 from lab.hygiene import wait_for_memory
 from lab.instruments.base import BootContext, Instrument
+from lab.instruments.receipt import Receipt
 from lab.mem_sampler import MemSampler
 from lab.store import models as m
 from lab.store import reader, writer
@@ -163,7 +164,7 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
             except Exception as exc:  # an instrument's failure is recorded on its step; the boot goes on
                 result, error = None, f"{type(exc).__name__}: {exc}"
             # A failed request may be the engine going away: then give its exit a moment to show.
-            failed = error is not None or (result is not None and any(r.error for r in result.receipts))
+            failed = error is not None or (result is not None and any(_may_be_gone(r) for r in result.receipts))
             alive = proc.alive_after(DEATH_GRACE_S) if failed else proc.alive()
             died = None if alive else f"engine exited with status {proc.exit_status()} during {name} {step.key}"
             if error and died:
@@ -175,6 +176,14 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
             if died:
                 return died
     return None
+
+
+def _may_be_gone(receipt: Receipt) -> bool:
+    """Whether a failed request may mean the engine is going away. A 4xx is the engine answering a
+    request it read and refused (a command engine's 404 on /v1/stats, a 400 for `ignore_eos`): it
+    was there to answer, so it needs no grace to show an exit. No answer, a 5xx or a stream cut
+    after its 200 all may."""
+    return receipt.error is not None and not (receipt.status is not None and 400 <= receipt.status < 500)
 
 
 def _fail(rc: RunContext, slot: m.Slot, boot_id: int, status: str, reason: str | None,
