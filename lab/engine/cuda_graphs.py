@@ -1,15 +1,23 @@
 """Decode steps replayed as CUDA graphs.
 
 A decode step of a small model is hundreds of short kernels; launched one by one from Python,
-the launches, not the GPU, set the pace. Each batch size in `capture_sizes` is captured once
-(forward pass and LM head) over static input buffers; a step copies its inputs into the buffers
-of the smallest captured size that holds it and replays. Rows past the real batch are padding:
-they write their K/V into the null block (one block past the pool, never handed out) and attend
-to that one slot, so no kernel needs a special case for them."""
+the launches, not the GPU, set the pace. Each batch size in `capture_sizes` is captured (forward
+pass and LM head) over static input buffers; a step copies its inputs into the buffers of the
+smallest captured size that holds it and replays. Rows past the real batch are padding: they
+write their K/V into the null block (one block past the pool, never handed out) and attend to
+that one slot, so no kernel needs a special case for them.
+
+A graph fixes its kernels' launch shapes, and split-KV decode attention sizes its grid for the
+longest context it may see. A batch size gets one graph per context bound at which the
+attention backend's launch changes (`context_bounds`; at batch 1 of Llama-3-8B the split count
+grows up to 4K), and a step replays the one for the smallest bound that holds its longest
+context. Correctness never depends on the bound: the kernels read each sequence's own length."""
 
 from __future__ import annotations
 
+import bisect
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,7 +35,10 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: Model, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], null_block: int,
-                 block_size: int, max_model_len: int, max_batch: int) -> None:
+                 block_size: int, max_model_len: int, max_batch: int,
+                 context_bounds: Callable[[int], list[int]] | None = None) -> None:
+        """`context_bounds(batch)`: increasing contexts ending with max_model_len, one graph each
+        (default: one graph per batch size, sized for max_model_len)."""
         self.model = model
         self.kv_layers = kv_layers
         self.block_size = block_size
@@ -36,6 +47,9 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
+        self.bounds = {bs: context_bounds(bs) if context_bounds else [max_model_len] for bs in self.sizes}
+        for bs, bounds in self.bounds.items():
+            assert bounds and bounds == sorted(bounds) and bounds[-1] == max_model_len, (bs, bounds)
         device = model.device
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -53,21 +67,21 @@ class DecodeGraphs:
         self.host_context = torch.zeros((2, n), dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros((2, n, self.max_blocks), dtype=torch.int32, pin_memory=pin)
         self.parity = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # Keyed by (batch size, context bound).
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        # Host-side lengths only size the attention split count: take the longest possible
-        # context so one graph serves every length.
+    def _meta(self, bs: int, bound: int) -> AttentionMetadata:
+        # Host-side lengths only size the attention split count: the bound's, so the graph serves
+        # every step whose contexts are at most that long.
         return AttentionMetadata(
             num_decodes=bs, slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
             context_lens=self.context_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            max_query_len=1, max_context_len=self.max_model_len, query_lens_cpu=[1] * bs,
-            context_lens_cpu=[self.max_model_len] * bs)
+            max_query_len=1, max_context_len=bound, query_lens_cpu=[1] * bs, context_lens_cpu=[bound] * bs)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model.forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers)
+    def _forward(self, bs: int, bound: int) -> torch.Tensor:
+        hidden = self.model.forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs, bound), self.kv_layers)
         return self.model.logits(hidden)
 
     @torch.inference_mode()
@@ -78,23 +92,32 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-                for _ in range(2):  # compile and autotune outside the capture
-                    self._forward(bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.logits[bs] = self._forward(bs)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs] = graph
+                for bound in reversed(self.bounds[bs]):
+                    for _ in range(2):  # compile and autotune outside the capture
+                        self._forward(bs, bound)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        self.logits[bs, bound] = self._forward(bs, bound)
+                    if self.pool is None:
+                        self.pool = graph.pool()
+                    self.graphs[bs, bound] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        split = {bs: bounds for bs, bounds in self.bounds.items() if len(bounds) > 1}
+        log.info("captured %d decode CUDA graphs for batch sizes %s (context bounds %s)", len(self.graphs),
+                 self.sizes, split or "none")
 
     def batch_size_for(self, n: int) -> int | None:
         for bs in self.sizes:
             if bs >= n:
                 return bs
         return None
+
+    def bound_for(self, bs: int, context: int) -> int:
+        """The smallest context bound of batch size `bs` that holds `context` (the largest if none:
+        the model's positions stop at max_model_len)."""
+        bounds = self.bounds[bs]
+        return bounds[min(bisect.bisect_left(bounds, context), len(bounds) - 1)]
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
@@ -145,5 +168,6 @@ class DecodeGraphs:
             src.copy_(host_rows[3, :bs], non_blocking=True)
             fed = prev_tokens.index_select(0, src.clamp(min=0))
             self.input_ids[:bs].copy_(torch.where(src >= 0, fed, self.input_ids[:bs]))
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        key = (bs, self.bound_for(bs, int(context[:n].max())))
+        self.graphs[key].replay()
+        return self.logits[key][:n]

@@ -125,8 +125,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs and self.attention.name == "triton":
             max_batch = min(config.cuda_graph_max_batch_size, config.max_num_seqs)
+            k_cache = self.kv_layers[0][0]
             self.graphs = DecodeGraphs(self.model, self.kv_layers, self.null_block, self.block_size,
-                                       max_model_len, max_batch)
+                                       max_model_len, max_batch,
+                                       lambda bs: self.attention.context_bounds(bs, k_cache, max_model_len))
             self.graphs.capture()
         # Two sets of pinned buffers for sampled tokens, used alternately by overlapped decode
         # steps: step N+1 copies into one while the host has yet to read step N's from the other.

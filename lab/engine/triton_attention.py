@@ -8,6 +8,7 @@ import torch
 from lab.engine.attention import FP8_DTYPES, causal_attention, gather_context
 from lab.engine.attention_metadata import AttentionMetadata
 from lab.engine.kernels import decode_attention, prefill_attention, write_kv_cache
+from lab.engine.kernels.decode_attention import num_splits_for, split_context_bounds
 
 
 # Up to this many prefill chunks in a step go to flash attention one by one; more (many short
@@ -52,6 +53,15 @@ class TritonAttention:
                               max_query_len=meta.max_query_len, k_scale=self.k_scale,
                               v_scale=self.v_scale)
         return out
+
+    def context_bounds(self, batch: int, k_cache: torch.Tensor, max_model_len: int) -> list[int]:
+        """Longest contexts at which a decode launch of `batch` sequences changes shape (its split
+        count), ending with max_model_len: one CUDA graph each."""
+        if self.num_splits is not None:
+            return [max_model_len]
+        return split_context_bounds(
+            lambda context: num_splits_for(batch, k_cache.shape[2], context, k_cache.device, k_cache.dtype),
+            max_model_len)
 
     def _flash_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:

@@ -359,12 +359,20 @@ def check_fp8_pairs(device: str = "cpu") -> dict[str, Any]:
             "pairs": words.numel()}
 
 
-def check_num_splits(shapes: list[list[int]]) -> dict[str, Any]:
-    """choose_num_splits for (batch, num_kv_heads, max_context_len, num_sms[, programs_per_sm])
-    shapes."""
+def check_num_splits(shapes: list[list[int]], bounds_for: list[list[int]] = ()) -> dict[str, Any]:
+    """choose_num_splits for (batch, num_kv_heads, max_context_len, num_sms[, programs_per_sm[,
+    tile]]) shapes; and split_context_bounds over the same heuristic for (batch, num_kv_heads,
+    max_model_len, num_sms, programs_per_sm, tile) in `bounds_for`, with each bound's split count."""
     from lab.engine.kernels import choose_num_splits
+    from lab.engine.kernels.decode_attention import split_context_bounds
 
-    return {"splits": [choose_num_splits(*shape) for shape in shapes]}
+    bounds = []
+    for batch, kv_heads, max_model_len, sms, per_sm, tile in bounds_for:
+        def splits(context: int) -> int:
+            return choose_num_splits(batch, kv_heads, context, sms, per_sm, tile)
+        found = split_context_bounds(splits, max_model_len)
+        bounds.append([[b, splits(b)] for b in found])
+    return {"splits": [choose_num_splits(*shape) for shape in shapes], "bounds": bounds}
 
 
 CHECKS = {f.__name__: f for f in (check_attention, check_padding_rows, check_rms_norm, check_rope_kv_write,

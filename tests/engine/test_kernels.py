@@ -113,6 +113,22 @@ def test_num_splits_heuristic(interpreter: InterpreterWorker) -> None:
     fp8 = [(1, 8, 32768, 132, 4), (16, 8, 8192, 132, 4), (32, 8, 4096, 132, 4), (64, 8, 32768, 132, 4),
            (256, 8, 2048, 132, 4)]
     assert interpreter.run("check_num_splits", shapes=fp8)["splits"] == [64, 4, 2, 1, 1]
+    # No split shorter than a tile: 128-token tiles (bf16 split launches) at a 1K context.
+    assert interpreter.run("check_num_splits", shapes=[(1, 8, 1024, 132, 2, 128)])["splits"] == [8]
+
+
+def test_split_context_bounds(interpreter: InterpreterWorker) -> None:
+    # One CUDA graph per bound: batch 1 on an H200 (bf16, 128-token tiles) grows its split count
+    # every 512 tokens up to 4K, then stays at 33; batch 4 is at its 8 from 1K on; batch 32 never
+    # splits.
+    result = interpreter.run("check_num_splits", shapes=[], bounds_for=[
+        (1, 8, 131072, 132, 2, 128), (4, 8, 131072, 132, 2, 128), (32, 8, 131072, 132, 2, 128),
+        (1, 8, 300, 132, 2, 128)])
+    b1, b4, b32, short = result["bounds"]
+    assert b1 == [[512 * i, 4 * i] for i in range(1, 9)] + [[131072, 33]]
+    assert b4 == [[512, 4], [131072, 8]]
+    assert b32 == [[131072, 1]]
+    assert short == [[300, 3]]
 
 
 @pytest.mark.parametrize("case", [

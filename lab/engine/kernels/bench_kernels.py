@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from lab.engine.kernels import choose_num_splits, decode_attention, prefill_attention
-from lab.engine.kernels.decode_attention import FP8_PROGRAMS_PER_SM
+from lab.engine.kernels import decode_attention, prefill_attention
+from lab.engine.kernels.decode_attention import num_splits_for
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_BATCHES = (1, 64, 256)
@@ -89,9 +89,7 @@ class DecodeCase:
 
     def default_splits(self) -> int:
         """The split count decode_attention chooses for this step (for split_context)."""
-        programs_per_sm = FP8_PROGRAMS_PER_SM if self.cache_dtype == torch.float8_e4m3fn else 2
-        return choose_num_splits(self.batch, KV_HEADS, self.split_context,
-                                 torch.cuda.get_device_properties(0).multi_processor_count, programs_per_sm)
+        return num_splits_for(self.batch, KV_HEADS, self.split_context, torch.device("cuda"), self.cache_dtype)
 
     def step(self, i: int, splits: int, config: dict[str, int] | None) -> None:
         k_cache, v_cache, tables, lens = self.caches[i]
@@ -220,11 +218,11 @@ def sweep_decode() -> None:
                 print(f"{label:>5} {block_n:>7} {warps:>5} " + " ".join(f"{t:>9.1f}" for t in times))
 
     print("\nsweep: decode split counts, graph us")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch, context in ((1, 1024), (1, 4096), (1, 32768), (4, 16384), (8, 16384), (16, 8192), (32, 4096)):
         row = [f"{s}:{bench_decode(batch, context, torch.bfloat16, num_splits=s)[0]:.1f}"
                for s in (1, 2, 4, 8, 16, 33, 64)]
-        print(f"{batch}x{context} (chosen {choose_num_splits(batch, KV_HEADS, context, sms)}): " + " ".join(row))
+        chosen = num_splits_for(batch, KV_HEADS, context, torch.device("cuda"), torch.bfloat16)
+        print(f"{batch}x{context} (chosen {chosen}): " + " ".join(row))
 
 
 # Decode configurations to sweep, by cache dtype (keys as decode_attention's `config` takes them):

@@ -28,6 +28,7 @@ column until the loop ends, 59-70 % (benchmarks/attention_fp8.py). bf16 reads at
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -120,15 +121,41 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int,
-                      programs_per_sm: int = 2) -> int:
+                      programs_per_sm: int = 2, tile: int = MIN_TOKENS_PER_SPLIT) -> int:
     """Splits per sequence so that batch * KVH * splits fills, without exceeding, `programs_per_sm`
     programs per SM (one wave: a second, partial wave costs as much as the first), without splits
-    shorter than MIN_TOKENS_PER_SPLIT. Batch 1 of Llama-3-8B at 32K on an H200 (132 SMs), two
-    programs per SM (bf16): 33 splits of ~1K tokens; batch 17 and up: 1 split (the grid already
-    has 136+ programs). Four per SM (fp8, FP8_PROGRAMS_PER_SM): 64 splits at batch 1."""
+    shorter than a `tile` of KV positions (at least MIN_TOKENS_PER_SPLIT): a split past the
+    context's last tile holds nothing yet costs its program and its merge input. Batch 1 of
+    Llama-3-8B at 32K on an H200 (132 SMs), two programs per SM (bf16): 33 splits of ~1K tokens;
+    at 1K with 128-token tiles, 8; batch 17 and up: 1 split (the grid already has 136+ programs).
+    Four per SM (fp8, FP8_PROGRAMS_PER_SM): 64 splits at batch 1."""
     wanted = programs_per_sm * num_sms // (batch * num_kv_heads)
-    useful = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
+    useful = triton.cdiv(max_context_len, max(tile, MIN_TOKENS_PER_SPLIT))
     return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def split_context_bounds(splits_at: Callable[[int], int], max_model_len: int, step: int = 512) -> list[int]:
+    """The longest contexts, on a grid of `step` tokens, at which the split count `splits_at(context)`
+    changes, ending with max_model_len: a decode launch sized for bound b (CUDA graphs capture
+    one) suits every step whose longest context is at most b. At batch 1 of Llama-3-8B on an H200
+    (bf16, 128-token tiles) that is 512, 1024, ..., 4096 and max_model_len."""
+    bounds: list[int] = []
+    for context in [*range(step, max_model_len, step), max_model_len]:
+        if bounds and splits_at(bounds[-1]) == splits_at(context):
+            bounds[-1] = context
+        else:
+            bounds.append(context)
+    return bounds
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_context_len: int, device: torch.device,
+                   cache_dtype: torch.dtype) -> int:
+    """The split count decode_attention chooses for `batch` sequences whose longest context is
+    `max_context_len`."""
+    fp8 = cache_dtype in FP8_DTYPES
+    tile = _launch_config(device, 2, cache_dtype)["BLOCK_N"]  # the tile of a split launch
+    return choose_num_splits(batch, num_kv_heads, max_context_len, _num_sms(device),
+                             FP8_PROGRAMS_PER_SM if fp8 else 2, tile)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -202,8 +229,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         if max_context_len is None:
             max_context_len = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device),
-                                       FP8_PROGRAMS_PER_SM if k_cache.dtype in FP8_DTYPES else 2)
+        num_splits = num_splits_for(batch, num_kv_heads, max_context_len, q.device, k_cache.dtype)
     config = {**_launch_config(q.device, num_splits, k_cache.dtype), **(config or {})}
     dot_fp16 = dot_in_fp16(q.dtype, k_cache.dtype)
     direct = num_splits == 1
