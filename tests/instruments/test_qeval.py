@@ -21,6 +21,9 @@ from lab.store import models as m
 from lab.store.db import Store
 from tests.instruments.ladder_run import run_ladder
 
+# A quarter of each task's budget: every task is still sent, scored, stored and paired, and the
+# test checks the scaled budget each request carried.
+MAX_TOKENS_SCALE = 0.25
 QEVAL_LADDER = """\
     name: qevaltwo
     engine:
@@ -31,8 +34,8 @@ QEVAL_LADDER = """\
       - name: W1
         control: C0ctl
     instruments:
-      qeval: {preset: full, concurrency: 32, max_tokens_scale: 0.5}  # half budgets: the test's time, not the tasks
-    """
+      qeval: {preset: full, concurrency: 32, max_tokens_scale: %g}
+    """ % MAX_TOKENS_SCALE
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,8 @@ def test_every_shipped_task_is_sent_scored_and_stored_once_per_boot(qeval_two_co
             task, request = tasks[item.task], requests[item.request_id]
             assert request.error is None and request.endpoint == "/v1/chat/completions"
             assert request.payload["messages"] == list(task.messages)
-            assert (request.payload["max_tokens"], request.payload["temperature"]) == (math.ceil(task.max_tokens / 2), 0)
+            assert (request.payload["max_tokens"], request.payload["temperature"]) == (
+                math.ceil(task.max_tokens * MAX_TOKENS_SCALE), 0)
             assert (item.category, item.scorer, item.expected) == (task.category, task.scorer["type"], task.reference)
             assert item.output == request.text
             # The stored verdict is the scorer's on the stored answer.
