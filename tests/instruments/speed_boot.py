@@ -1,17 +1,15 @@
-"""The speed instruments' test bench: one real engine server per test module and a real SQLite
-store, with each measurement run step by step and written through the store's writer the way
+"""The speed instruments' test bench: one real engine server and a real SQLite store (the `bench`
+fixture of tests/instruments/conftest.py), with each measurement run step by step and written through the store's writer the way
 `lab run` does it (lab/slot.py), so tests read back exactly what a run would have stored."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-import pytest
 from sqlalchemy import select
 
 from lab.arms.render import plan
@@ -20,8 +18,8 @@ from lab.instruments.base import BootContext, Instrument
 from lab.mem_sampler import MemSampler
 from lab.store import models as m
 from lab.store import writer
-from lab.store.db import Store, open_store
-from tests.engine.server_process import ServerProcess, engine_server, free_port
+from lab.store.db import Store
+from tests.engine.server_process import ServerProcess, free_port
 
 MODEL = "smollm2-135m"
 LADDER = """\
@@ -98,15 +96,6 @@ class SpeedBench:
             slot_id = s.scalar(select(m.Slot.id).where(m.Slot.run_id == run_id, m.Slot.role == "arm"))
         boot_id, _ = writer.start_boot(self.store, run_id=run_id, slot_id=slot_id)
         return run_id, slot_id, boot_id
-
-
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpeedBench]:
-    tmp = tmp_path_factory.mktemp("speed")
-    store = open_store(str(tmp / "lab.db"))
-    with engine_server(tmp, *ENGINE_FLAGS) as server:
-        yield SpeedBench(store, server)
-    store.close()
 
 
 def dead_url() -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from lab.instruments.decode import DecodeInstrument, DecodeParams, spec_cells, spec_counters
 from lab.instruments.decode_prompts import CATEGORIES
-from tests.instruments.speed_boot import bench, dead_url  # noqa: F401 - bench is a fixture
+from tests.instruments.speed_boot import dead_url
 
 MAX_TOKENS = 12
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from lab.instruments.needle import NeedleInstrument, NeedleParams, passphrase_found
-from tests.instruments.speed_boot import bench  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 from lab.arms.errors import LadderError
 from lab.arms.validate import parse_ladder
 from lab.instruments.prefill import PrefillInstrument, PrefillParams
-from tests.instruments.speed_boot import LADDER, MODEL, bench, dead_url  # noqa: F401 - bench is a fixture
+from tests.instruments.speed_boot import LADDER, MODEL, dead_url
 
 pytestmark = pytest.mark.slow
 
