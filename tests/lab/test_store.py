@@ -106,13 +106,19 @@ def test_processes_creating_one_new_store_at_once_all_open_it(tmp_path) -> None:
 
     import time
 
-    # Each process imports first, then waits for one shared start time, so they really collide.
-    opener = ("import sys, time; from lab.store.db import open_store; "
-              "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); open_store(sys.argv[1]).close()")
+    # Each process imports first and says so; once all have, they get one shared start time just
+    # ahead, so they really collide however long the imports took.
+    opener = ("import sys, time; from lab.store.db import open_store; print('ready', flush=True); "
+              "time.sleep(max(0.0, float(sys.stdin.readline()) - time.time())); open_store(sys.argv[1]).close()")
     for i in range(3):
         db = tmp_path / f"race-{i}.db"
-        start = str(time.time() + 4)
-        procs = [subprocess.Popen([sys.executable, "-c", opener, str(db), start], stderr=subprocess.PIPE)
-                 for _ in range(6)]
+        procs = [subprocess.Popen([sys.executable, "-c", opener, str(db)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(6)]
+        # One that died importing gets no start time: the others read an empty line and fail with it.
+        if [p.stdout.readline() for p in procs] == [b"ready\n"] * 6:
+            start = f"{time.time() + 0.5}\n".encode()
+            for p in procs:
+                p.stdin.write(start)
+                p.stdin.flush()
         errors = [p.communicate(timeout=120)[1].decode() for p in procs]
         assert [p.returncode for p in procs] == [0] * 6, "\n".join(e for e in errors if e)[-2000:]
