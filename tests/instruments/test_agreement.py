@@ -8,7 +8,6 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from scipy.stats import entropy
@@ -19,8 +18,8 @@ from lab.instruments.base import BootContext, Cell
 from lab.instruments.opening_control import load_reference
 from lab.store import models as m
 from lab.store.db import Store
-from tests.engine.server_process import engine_server
 from tests.instruments.ladder_run import run_ladder
+from tests.instruments.speed_boot import SpeedBench
 
 # bfloat16 leaves float32's greedy path within a few tokens on some of the eight prompts (at the
 # first and the fifth token here), so 16 tokens a prompt show the divergence the tests look for.
@@ -147,16 +146,15 @@ def _ctx(params: AgreementParams, api_base: str, role: str = "control", controls
 
 
 @pytest.mark.slow
-def test_completions_endpoint_and_a_closing_control_without_an_opening_one(tmp_path: Path) -> None:
+def test_completions_endpoint_and_a_closing_control_without_an_opening_one(bench: SpeedBench) -> None:
     params = AgreementParams(prompts=3, max_tokens=8, endpoint="completions", top_logprobs=3)
     no_logprobs = AgreementParams(prompts=3, max_tokens=8, endpoint="completions", top_logprobs=0)
     instrument = AgreementInstrument()
     step = instrument.plan(params)[0]
-    with engine_server(tmp_path, "--device", "cpu", "--max-model-len", "512",
-                       "--kv-cache-memory-bytes", "33554432") as server:
-        first = asyncio.run(instrument.run_step(_ctx(params, f"{server.url}/v1"), step))
-        second = asyncio.run(instrument.run_step(_ctx(params, f"{server.url}/v1", position="close"), step))
-        bare = asyncio.run(instrument.run_step(_ctx(no_logprobs, f"{server.url}/v1"), step))
+    api_base = f"{bench.server.url}/v1"
+    first = asyncio.run(instrument.run_step(_ctx(params, api_base), step))
+    second = asyncio.run(instrument.run_step(_ctx(params, api_base, position="close"), step))
+    bare = asyncio.run(instrument.run_step(_ctx(no_logprobs, api_base), step))
     assert all(r.endpoint == "/v1/completions" and r.payload["logprobs"] == 3 for r in first.receipts)
     ids = ["a", "b", "c"]
     found = {c.metric: c for c in compare([Generation.from_receipt(r) for r in first.receipts],

@@ -119,7 +119,7 @@ def lab_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 # measurement: `make demo` runs the full-size quickstart. The key metrics' `where` (prefill length
 # 1024, decode level 4) stay among the parameters so the ladder's own rule still applies.
 SMALL_INSTRUMENTS: dict[str, dict[str, object]] = {
-    "qeval": {"per_category": 1, "max_tokens_scale": 0.25},  # one task per category, code run included
+    "qeval": {"per_category": 1, "max_tokens_scale": 0.125},  # one task per category, code run included
     "agreement": {"prompts": 2, "max_tokens": 4},
     "prefill": {"lengths": [128, 1024], "reps": 1},
     "needle": {"lengths": [256], "depths": [0.5]},
