@@ -11,7 +11,7 @@ from lab.instruments.decode import DecodeInstrument, DecodeParams, spec_cells, s
 from lab.instruments.decode_prompts import CATEGORIES
 from tests.instruments.speed_boot import dead_url
 
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 
 
 @pytest.mark.slow
