@@ -1,6 +1,7 @@
 """The speed instruments' test bench: one real engine server and a real SQLite store (the `bench`
-fixture of tests/instruments/conftest.py), with each measurement run step by step and written through the store's writer the way
-`lab run` does it (lab/slot.py), so tests read back exactly what a run would have stored."""
+fixture of tests/instruments/conftest.py), with each measurement run step by step and written
+through the store's writer the way `lab run` does it (lab/slot.py), so tests read back exactly
+what a run would have stored."""
 
 from __future__ import annotations
 
