@@ -1,7 +1,8 @@
 """Decode attention at small batch on a GPU: split count x tile config, graph time of one step in
 microseconds (Llama-3-8B shapes, bf16 cache; lab.engine.kernels.bench_kernels.DecodeCase).
-Under CUDA graphs the engine's split count is sized for max_model_len (33 at batch 1 on an H200),
-so this shows what that costs a short context against the split count its own length would get.
+It measured what a graph sized for max_model_len (33 splits at batch 1 on an H200) costs a short
+context against the split count its own length would get; since 24bac7a the engine's graphs are
+captured per context bound (cuda_graphs).
 
     python benchmarks/attention_splits.py
 """

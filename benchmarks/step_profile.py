@@ -21,7 +21,7 @@ from lab.engine.sampling_params import SamplingParams
 PARTS = [("attention", ("_decode_split", "_decode_merge")), ("gemv", ("_skinny",)),
          ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "Kernel2")),
          ("norm", ("rms",)), ("rope/kv write", ("rope", "kv_cache", "_write_kv")),
-         ("activation", ("silu", "act_and_mul")), ("sampling", ("argmax", "max", "reduce", "sort", "topk"))]
+         ("activation", ("silu", "act_and_mul")), ("sampling", ("argmax", "sort", "topk"))]
 
 
 def part(name: str) -> str:

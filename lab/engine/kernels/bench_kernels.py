@@ -5,16 +5,16 @@ KV heads, head dim 128, 16-token blocks, bf16 queries; bf16 and fp8 caches):
     python -m lab.engine.kernels.bench_kernels --sweep decode --sweep prefill   # plus tuning sweeps
     python -m lab.engine.kernels.bench_kernels --no-prefill --sweep configs     # decode only, config sweep
     python -m lab.engine.kernels.bench_kernels --no-prefill --batches 1 --contexts 1024 8192 \
-        --max-model-len 32768                            # batch 1 with the split count of the engine's graphs
+        --max-model-len 32768                            # batch 1 with splits sized for 32K
 
 Decode reports achieved bandwidth: bytes of K/V read (every context token of every KV head,
 once, at the cache's element size: 2 bytes for bf16, 1 for fp8) plus q read and out written,
 over the median time of a step replayed from a CUDA graph (as the engine runs decode); the
 ceiling printed beside it is a device-to-device copy measured at start. Each row shows a bf16
 cache beside an fp8 one at the same batch and context. The split count is the one decode_attention
-chooses for the row's context, or with --max-model-len for contexts up to that length, as the
-engine's CUDA graphs choose it (captured for the longest context they may see): at batch 1 and a
-short context most of those splits are empty. Prefill reports causal attention TFLOP/s
+chooses for the row's context, or with --max-model-len for contexts up to that length (what a CUDA
+graph captured for that length would launch; the engine's graphs are captured per context bound,
+see cuda_graphs): at batch 1 and a short context most of those splits are empty. Prefill reports causal attention TFLOP/s
 (4 * heads * head_dim per visible query-key pair) beside PyTorch's SDPA on the same shape,
 contiguous.
 Times are triton.testing.do_bench medians, which flush the L2 between repetitions.
