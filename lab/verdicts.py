@@ -78,6 +78,10 @@ class GateSpec:
     selector: Selector
     min: float | None
     max: float | None
+    arms: frozenset[str] = frozenset()  # empty: every arm
+
+    def judges(self, arm: str) -> bool:
+        return not self.arms or arm in self.arms
 
     @property
     def bounds(self) -> str:
@@ -128,7 +132,7 @@ def rule_spec(ladder: Ladder) -> RuleSpec:
         selectors.append(selector)
         key_metrics.append(keep.KeyMetric(selector.label,
                                           directions[selector.instrument][selector.metric] == "higher"))
-    gates = tuple(GateSpec(_selector(g.metric, g.where), g.min, g.max) for g in ladder.keep.gates)
+    gates = tuple(GateSpec(_selector(g.metric, g.where), g.min, g.max, frozenset(g.arms)) for g in ladder.keep.gates)
     rule = keep.KeepRule(ladder.keep.threshold_pct, key_metrics, [g.label for g in gates],
                          ladder.keep.max_drift_pct) if key_metrics else None
     return RuleSpec(rule, tuple(selectors), gates)
@@ -281,6 +285,8 @@ class RunEvidence:
         gates = {}
         warm = [s for s in self.arm_slots(arm) if s.measured and not s.cold]
         for gate in self.spec.gates:
+            if not gate.judges(arm):
+                continue
             result, found = self._gate(gate, warm)
             gates[gate.label] = result
             notes += found
@@ -342,6 +348,8 @@ def load(store: Store, run_id: int) -> RunEvidence:
 def judge_arm(evidence: RunEvidence, rule: keep.KeepRule, arm: str) -> keep.Verdict:
     """`lab.keep.judge` on the arm's stored evidence; notes on left-out cells follow its reasons."""
     arm_evidence, notes = evidence.evidence(arm)
+    # A gate scoped to other arms is not part of this arm's rule.
+    rule = replace(rule, gates=[g.label for g in evidence.spec.gates if g.judges(arm)])
     verdict = keep.judge(rule, arm_evidence)
     return replace(verdict, reasons=verdict.reasons + [n for n in notes if n not in verdict.reasons])
 

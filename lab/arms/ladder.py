@@ -90,6 +90,9 @@ class MetricRef(Strict):
 class Gate(MetricRef):
     min: float | None = None
     max: float | None = None
+    arms: list[Name] = Field(default_factory=list,
+                             description="the arms this gate judges (empty: every arm); a knob that changes "
+                                         "numerics by design is not gated on agreement")
 
     @model_validator(mode="after")
     def _bounded(self) -> "Gate":

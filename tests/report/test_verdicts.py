@@ -7,7 +7,7 @@ from sqlalchemy import select
 from lab.instruments.base import Cell
 from lab.store import models as m
 from lab.verdicts import judge_run
-from tests.report.conftest import Boot, build_run
+from tests.report.conftest import LADDER, Boot, build_run
 
 KEY = "memory.kv_pool_tokens"
 FLOOR = "memory.host_mem_available_floor_gib"
@@ -169,3 +169,19 @@ def test_a_ladder_without_key_metrics_is_measured_but_never_judged(store) -> Non
     ladder = WHERE_LADDER.replace("keep:\n  metrics:\n    - {metric: memory.kv_pool_tokens, where: {pool: main}}\n", "")
     run_id = build_run(store, {"C0ctl/open": pools(1000, 10), "A1": pools(1100, 50)}, ladder=ladder)
     assert judge_run(store, run_id) == {}
+
+
+def test_a_gate_scoped_to_some_arms_judges_only_those(store) -> None:
+    ladder = LADDER_SCOPED_GATE
+    run_id = build_run(store, {"C0ctl/open": boot(1000), "A1": boot(1100, floor=0.5), "A2": boot(1100, floor=0.5),
+                               "C0ctl/close": boot(1000)}, ladder=ladder)
+    judged = judge_run(store, run_id)
+    assert str(judged["A1"].decision) == "reject"
+    assert judged["A1"].reasons[0].startswith("gate memory.host_mem_available_floor_gib ≥ 1 failed")
+    # A2 is not one of the gate's arms: its floor is not judged, its improvement keeps it.
+    assert str(judged["A2"].decision) == "keep"
+    assert not any("host_mem_available_floor_gib" in reason for reason in judged["A2"].reasons)
+
+
+LADDER_SCOPED_GATE = LADDER.replace("    - {metric: memory.host_mem_available_floor_gib, min: 1}",
+                                    "    - {metric: memory.host_mem_available_floor_gib, min: 1, arms: [A1]}")
