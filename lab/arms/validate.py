@@ -285,4 +285,10 @@ def _keep(ladder: Ladder, located: Located) -> list[Problem]:
         elif name not in produced[instrument]:
             problems.append(Problem(line, f"KEEP metric {metric!r}: no instrument produces it ({instrument} "
                                           f"produces {', '.join(sorted(produced[instrument]))})"))
+    arms = {arm.name for window in ladder.windows for arm in window.arms}
+    for i, gate in enumerate(ladder.keep.gates):
+        for j, name in enumerate(gate.arms):
+            if name not in arms:
+                problems.append(Problem(located.line(("keep", "gates", i, "arms", j)),
+                                        f"gate {gate.metric}: {name!r} is not an arm of this ladder"))
     return problems
