@@ -7,7 +7,10 @@
 #   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B); attn is the fp8 decode attention
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
 #   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV; prefill-ref is
-#   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs
+#   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs;
+#   lab is `lab run ladders/h200.yaml` end to end (warm-up boot, control, five arms, control), then `lab ls`,
+#   `lab report` and `lab compare` of each arm against the control: the store comes back as lab-h200.db, the
+#   report and the boots' logs as lab-report.tgz (a call of its own: the ladder takes most of ten minutes)
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -46,6 +49,14 @@ for stage in $stages; do
             > "$OUT/attention_fp8.txt" 2>&1 ;;
     profile) { timeout 120 python3 benchmarks/step_profile.py --kv-cache-dtype fp8;
             timeout 100 python3 benchmarks/step_profile.py; } > "$OUT/step_profile.txt" 2>&1 ;;
+    lab) run=h200-$commit
+         { timeout 540 python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
+           echo "lab run exit $?"
+           python3 -m lab ls --db "$OUT/lab-h200.db" "$run"
+           python3 -m lab report --db "$OUT/lab-h200.db" --out reports "$run"
+           for arm in A1nooverlap A2cublas A3fp8kv A4mnbt2k A5nographs; do
+             COLUMNS=200 python3 -m lab compare --db "$OUT/lab-h200.db" C0ctl "$arm"; done
+           tar czf "$OUT/lab-report.tgz" "reports/$run" runs; } > "$OUT/lab.txt" 2>&1 ;;
     smollm2) timeout 80 python3 -m lab.engine bench --model dummy:smollm2-135m --dtype bfloat16 \
             --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 256 --prompt-tokens 1024 \
             --decode-tokens 64 --concurrency 32 --prefill-lengths 2048,8000 --repeats 2 --throughput 64,256 \
@@ -54,5 +65,6 @@ for stage in $stages; do
   echo "$stage exit $?" >> "$OUT/env.txt"
 done
 cat "$OUT/env.txt"
-for f in "$OUT"/*.txt; do [ "$f" = "$OUT/env.txt" ] || { echo "== $f"; grep -E "figure:|reference|passed|failed|Error" "$f" | cut -c 60-220; }; done
+for f in "$OUT"/*.txt; do [ "$f" = "$OUT/env.txt" ] || [ "$f" = "$OUT/lab.txt" ] || { echo "== $f"; grep -E "figure:|reference|passed|failed|Error" "$f" | cut -c 60-220; }; done
 for f in "$OUT"/attention_fp8.txt "$OUT"/step_profile.txt; do [ -f "$f" ] && { echo "== $f"; grep -v -i warn "$f" | cut -c 1-120; }; done
+[ -f "$OUT/lab.txt" ] && { echo "== $OUT/lab.txt"; grep -E "KEEP|✓|✗|exit|Error|drift" "$OUT/lab.txt" | cut -c 1-240; }
