@@ -106,7 +106,7 @@ def load_model(model: str, dtype: torch.dtype, device: str | torch.device = "cpu
         if preset not in PRESETS:
             raise ModelLoadError(f"unknown dummy preset {preset!r}; presets: {', '.join(PRESETS)}")
         config = PRESETS[preset]
-        weights, tokenizer = load_dummy(config, dtype, device, seed)
+        config, weights, tokenizer = load_dummy(config, dtype, device, seed)
         digest = hashlib.sha256(f"{preset}:{seed}".encode()).hexdigest()
         return LoadedModel(config, weights, tokenizer, model, digest, cold=True)
 

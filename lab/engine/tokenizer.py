@@ -1,6 +1,6 @@
 """The engine's tokenizer: a `tokenizers` pipeline plus what serving needs around it (stop ids,
-special ids, per-token text for logprobs, the chat template), built from GGUF metadata, from a
-Hugging Face `tokenizer.json`, or as a byte-level stand-in for dummy weights."""
+special ids, per-token text for logprobs, the chat template), built from GGUF metadata or from a
+Hugging Face `tokenizer.json` (the synthetic one of dummy weights is in tokenizer_dummy.py)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class Tokenizer:
     """Text <-> token ids for one model.
 
     `vocab_size` is the model's (embedding rows), which can exceed the tokenizer's own vocabulary;
-    ids in that gap, like the specials of the dummy tokenizer, are special and have no text.
+    ids in that gap are special and have no text.
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, *, vocab_size: int, bos_token_id: int | None,
@@ -122,17 +122,6 @@ class Tokenizer:
         return cls(backend, vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
                    chat_template=chat_template,
                    named_tokens={k: tokens[i] for k, i in named.items() if i is not None})
-
-    @classmethod
-    def byte_level(cls, vocab_size: int, bos_token_id: int | None, eos_token_ids: Sequence[int]) -> "Tokenizer":
-        """Ids 0-255 are the bytes of UTF-8 text; ids 256 and up are specials with no text. For
-        dummy weights, where only token counts and ids matter."""
-        if vocab_size < 256:
-            raise ValueError(f"a byte-level tokenizer needs a vocabulary of at least 256, got {vocab_size}")
-        backend = tokenizers.Tokenizer(models.BPE(vocab={BYTE_TO_CHAR[b]: b for b in range(256)}, merges=[]))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        backend.decoder = decoders.ByteLevel()
-        return cls(backend, vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_ids=eos_token_ids)
 
     @classmethod
     def from_hf_directory(cls, directory: Path, *, vocab_size: int,

@@ -1,14 +1,17 @@
 """Random weights of a named shape (`dummy:<preset>`), for speed work where real weights cannot be
 fetched: seeded, and made directly on the target device in the target dtype, so an 8B shape on a
-GPU never passes through host memory."""
+GPU never passes through host memory. The tokenizer is the synthetic one of tokenizer_dummy.py."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from lab.engine.loader import weight_shapes
 from lab.engine.model_config import ModelConfig
 from lab.engine.tokenizer import Tokenizer
+from lab.engine.tokenizer_dummy import dummy_tokenizer
 
 MATRIX_STD = 0.02
 BIAS_STD = 0.002
@@ -33,6 +36,9 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def load_dummy(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               seed: int) -> tuple[dict[str, torch.Tensor], Tokenizer]:
-    tokenizer = Tokenizer.byte_level(config.vocab_size, config.bos_token_id, config.eos_token_ids)
-    return dummy_weights(config, dtype, device, seed), tokenizer
+               seed: int) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """The preset `config` with the synthetic tokenizer's BOS (none) and stop ids in place of the
+    real model's, which name no special of that tokenizer; its weights; the tokenizer."""
+    tokenizer = dummy_tokenizer(config.vocab_size)
+    config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
+    return config, dummy_weights(config, dtype, device, seed), tokenizer

@@ -3,6 +3,7 @@ kill-safety, damage), Hugging Face directories, dummy weights, and one-line erro
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -360,7 +361,8 @@ def test_dummy_weights_are_seeded_and_shaped() -> None:
     a = load_model("dummy:tiny", torch.float32, seed=7)
     b = load_model("dummy:tiny", torch.float32, seed=7)
     c = load_model("dummy:tiny", torch.float32, seed=8)
-    assert a.config == PRESETS["tiny"] and a.cold is True and a.source == "dummy:tiny"
+    tiny = dataclasses.replace(PRESETS["tiny"], eos_token_ids=(511, 509))  # the dummy tokenizer's stop ids
+    assert a.config == tiny and a.cold is True and a.source == "dummy:tiny"
     assert {k: tuple(v.shape) for k, v in a.weights.items()} == weight_shapes(PRESETS["tiny"])
     assert all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
     assert not torch.equal(a.weights["model.embed_tokens.weight"], c.weights["model.embed_tokens.weight"])
@@ -382,7 +384,7 @@ def test_dummy_8b_shape_is_made_on_the_target_device() -> None:
     loaded = load_model("dummy:llama3-8b", torch.bfloat16, device="meta")
     assert all(t.device.type == "meta" and t.dtype == torch.bfloat16 for t in loaded.weights.values())
     assert sum(t.numel() for t in loaded.weights.values()) == PRESETS["llama3-8b"].num_params
-    assert loaded.tokenizer.vocab_size == 128256 and loaded.tokenizer.eos_token_ids == (128001, 128009)
+    assert loaded.tokenizer.vocab_size == 128256 and loaded.tokenizer.eos_token_ids == (128255, 128253)
 
 
 # -- errors -------------------------------------------------------------------------------------

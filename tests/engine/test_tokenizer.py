@@ -218,17 +218,3 @@ def test_save_and_load_keep_everything(tokenizer: Tokenizer, tmp_path: Path) -> 
         (tokenizer.special_ids, tokenizer.eos_token_ids, tokenizer.bos_token_id, tokenizer.vocab_size)
     messages = CONVERSATIONS[1]
     assert loaded.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
-
-
-def test_byte_level_tokenizer_for_dummy_weights() -> None:
-    tok = Tokenizer.byte_level(512, bos_token_id=None, eos_token_ids=(257,))
-    text = "héllo 日本 🙂 <|im_end|>"
-    ids = tok.encode(text)
-    assert ids == list(text.encode("utf-8"))
-    assert tok.decode(ids + [256, 300, 511]) == text
-    assert tok.special_ids == frozenset(range(256, 512))
-    assert tok.token_bytes([104, 300]) == [b"h", b""]
-    assert tok.eos_token_id == 257
-    assert not tok.has_chat_template
-    with pytest.raises(ChatTemplateError):
-        tok.apply_chat_template([{"role": "user", "content": "x"}])
