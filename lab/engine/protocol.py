@@ -2,13 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from lab.engine.sampling_params import BadRequestError, SamplingParams
 
 Number = Union[StrictInt, float]
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first lone UTF-16 surrogate in `value`'s strings, escaped. JSON lets a client send one
+    (`"\\ud800"`, e.g. text cut in half by UTF-16 length), but it is not text and no tokenizer takes it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return value[exc.start].encode("unicode_escape").decode("ascii")
+        return None
+    if isinstance(value, BaseModel):
+        value = dict(value)
+    if isinstance(value, dict):
+        value = [*value, *value.values()]
+    if isinstance(value, list):
+        return next((bad for item in value if (bad := _lone_surrogate(item)) is not None), None)
+    return None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="after")
+    def _text_is_unicode(self) -> "_Body":
+        for name, value in self:
+            bad = _lone_surrogate(value)
+            if bad is not None:
+                raise ValueError(f"{name} holds a lone UTF-16 surrogate ({bad}), which is not text")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -16,9 +46,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _Common(_Body):
     model: str | None = None
     temperature: Number | None = None
     top_p: Number | None = None
@@ -133,15 +161,13 @@ class ChatCompletionRequest(_Common):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[StrictInt]

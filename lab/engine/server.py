@@ -7,9 +7,9 @@ import json
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,10 +34,55 @@ class ModelNotFound(LookupError):
     pass
 
 
+def one_line(message: str) -> str:
+    """`message` on one line, encodable as UTF-8 even when it quotes a lone surrogate from the request."""
+    return " ".join(message.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(status: int, message: str, kind: str, code: str | None = None,
                    param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+    return JSONResponse(status_code=status, content={
+        "error": {"message": one_line(message), "type": kind, "param": param, "code": code}})
+
+
+def internal_error_message(exc: BaseException) -> str:
+    return one_line(f"internal error: {type(exc).__name__}: {exc}")
+
+
+@contextmanager
+def planning() -> Iterator[None]:
+    """Whatever fails before a request enters the engine (tokenizer, chat template, parameters)
+    is answered as the request's error, a 400, never as a 500."""
+    try:
+        yield
+    except (BadRequestError, ModelNotFound):
+        raise
+    except ValueError as exc:  # ChatTemplateError among them: their messages are written for the user
+        raise BadRequestError(str(exc) or type(exc).__name__) from exc
+    except Exception as exc:
+        # The client is told what failed; the traceback is kept because this may be a bug here.
+        log.warning("request refused while planning it: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        raise BadRequestError(f"cannot prepare this request: {type(exc).__name__}: {exc}") from exc
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def sse_stream(request_id: str, chunks: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    """`chunks`, then `data: [DONE]`. The status line is sent before the first chunk, so an error
+    while streaming can only be told in the stream: it becomes an error event, never a torn
+    connection."""
+    async with aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except (BadRequestError, EngineBusyError, EngineDeadError) as exc:
+            yield _sse({"error": {"message": one_line(str(exc)), "type": type(exc).__name__}})
+        except Exception as exc:
+            log.error("request %s failed while streaming", request_id, exc_info=exc)
+            yield _sse({"error": {"message": internal_error_message(exc), "type": "internal_error"}})
+    yield b"data: [DONE]\n\n"
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -199,12 +244,13 @@ class Server:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self.check_model(body.model)
-        plans = self.plan_completion(body)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = request.state.request_id = f"cmpl-{uuid.uuid4().hex}"
+        with planning():
+            self.check_model(body.model)
+            plans = self.plan_completion(body)
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(self._stream_completion(body, plans, rid, created, arrival),
+            return StreamingResponse(sse_stream(rid, self._stream_completion(body, plans, rid, created, arrival)),
                                      media_type="text/event-stream")
         work = asyncio.ensure_future(asyncio.gather(*[
             self.collect(f"{rid}-{i}", ids, params, arrival) for i, (ids, params) in enumerate(plans)]))
@@ -269,34 +315,30 @@ class Server:
 
         totals = [0, 0, 0]
         offsets = [0] * len(plans)
-        try:
-            if body.echo and body.logprobs is None:
-                for i, (ids, _) in enumerate(plans):
-                    text, _ = self.echo_part(body, ids, None)
-                    offsets[i] = len(text)
-                    yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
-            async for i, out in self._merged(rid, plans, arrival):
-                lps = None
-                text = out.new_text
-                if out.prompt_logprobs is not None and body.echo:
-                    echo_text, lps_echo = self.echo_part(body, plans[i][0], out.prompt_logprobs)
-                    yield chunk([{"index": i, "text": echo_text, "logprobs": lps_echo, "finish_reason": None}])
-                    offsets[i] = len(echo_text)
-                if body.logprobs is not None and out.new_logprobs:
-                    lps = self.completion_logprobs(out.new_token_ids, list(out.new_logprobs), offsets[i])
-                if text or lps or out.finished:
-                    yield chunk([{"index": i, "text": text, "logprobs": lps,
-                                  "finish_reason": out.finish_reason if out.finished else None}])
-                offsets[i] += len(text)
-                if out.finished:
-                    totals[0] += out.num_prompt_tokens
-                    totals[1] += out.num_output_tokens
-                    totals[2] += out.num_cached_tokens
-            if body.include_usage:
-                yield chunk([], {"usage": usage(*totals)})
-        except (BadRequestError, EngineBusyError, EngineDeadError) as exc:
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        if body.echo and body.logprobs is None:
+            for i, (ids, _) in enumerate(plans):
+                text, _ = self.echo_part(body, ids, None)
+                offsets[i] = len(text)
+                yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
+        async for i, out in self._merged(rid, plans, arrival):
+            lps = None
+            text = out.new_text
+            if out.prompt_logprobs is not None and body.echo:
+                echo_text, lps_echo = self.echo_part(body, plans[i][0], out.prompt_logprobs)
+                yield chunk([{"index": i, "text": echo_text, "logprobs": lps_echo, "finish_reason": None}])
+                offsets[i] = len(echo_text)
+            if body.logprobs is not None and out.new_logprobs:
+                lps = self.completion_logprobs(out.new_token_ids, list(out.new_logprobs), offsets[i])
+            if text or lps or out.finished:
+                yield chunk([{"index": i, "text": text, "logprobs": lps,
+                              "finish_reason": out.finish_reason if out.finished else None}])
+            offsets[i] += len(text)
+            if out.finished:
+                totals[0] += out.num_prompt_tokens
+                totals[1] += out.num_output_tokens
+                totals[2] += out.num_cached_tokens
+        if body.include_usage:
+            yield chunk([], {"usage": usage(*totals)})
 
     # -- chat --------------------------------------------------------------------------------
 
@@ -315,12 +357,13 @@ class Server:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self.check_model(body.model)
-        ids, params = self.plan_chat(body)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        with planning():
+            self.check_model(body.model)
+            ids, params = self.plan_chat(body)
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(self._stream_chat(body, ids, params, rid, created, arrival),
+            return StreamingResponse(sse_stream(rid, self._stream_chat(body, ids, params, rid, created, arrival)),
                                      media_type="text/event-stream")
         work = asyncio.ensure_future(self.collect(rid, ids, params, arrival))
         c = await self.until_done_or_disconnected(request, work)
@@ -341,51 +384,60 @@ class Server:
                        "model": self.served_model_name, "choices": choices, **(extra or {})}
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
-        try:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-            last: RequestOutput | None = None
-            async for out in self.stream_outputs(rid, ids, params, arrival):
-                last = out
-                lps = self.chat_logprobs(out.new_logprobs) if body.logprobs and out.new_logprobs else None
-                if out.new_text or lps or out.finished:
-                    delta = {"content": out.new_text} if out.new_text else {}
-                    yield chunk([{"index": 0, "delta": delta, "logprobs": lps,
-                                  "finish_reason": out.finish_reason if out.finished else None}])
-            if body.include_usage and last is not None:
-                yield chunk([], {"usage": usage(last.num_prompt_tokens, last.num_output_tokens,
-                                                 last.num_cached_tokens)})
-        except (BadRequestError, EngineBusyError, EngineDeadError) as exc:
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+        last: RequestOutput | None = None
+        async for out in self.stream_outputs(rid, ids, params, arrival):
+            last = out
+            lps = self.chat_logprobs(out.new_logprobs) if body.logprobs and out.new_logprobs else None
+            if out.new_text or lps or out.finished:
+                delta = {"content": out.new_text} if out.new_text else {}
+                yield chunk([{"index": 0, "delta": delta, "logprobs": lps,
+                              "finish_reason": out.finish_reason if out.finished else None}])
+        if body.include_usage and last is not None:
+            yield chunk([], {"usage": usage(last.num_prompt_tokens, last.num_output_tokens,
+                                             last.num_cached_tokens)})
 
     # -- small endpoints ---------------------------------------------------------------------
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        self.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise BadRequestError("give exactly one of prompt or messages")
-        if body.messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt)
-            tokens = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            tokens = self.tokenizer.encode(body.prompt or "")
+        with planning():
+            self.check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise BadRequestError("give exactly one of prompt or messages")
+            if body.messages is not None:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt)
+                tokens = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                tokens = self.tokenizer.encode(body.prompt or "")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        self.check_model(body.model)
-        vocab = self.engine.model_config.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise BadRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        with planning():
+            self.check_model(body.model)
+            vocab = self.engine.model_config.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise BadRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def stats(self) -> dict[str, Any]:
         stats = engine_stats(self.engine, self.served_model_name, self.started_at)
         stats["engine_alive"] = self.async_engine.alive
         return stats
+
+
+def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """An error nothing else maps: the client gets its type and message as JSON, the log the
+    traceback under the request id (and the client's X-Request-Id, when it sent one)."""
+    rid = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex}"
+    log.error("request %s (%s %s, X-Request-Id %s) failed", rid, request.method, request.url.path,
+              request.headers.get("x-request-id", "-"), exc_info=exc)
+    response = error_response(500, internal_error_message(exc), "internal_error")
+    response.headers["x-request-id"] = rid
+    return response
 
 
 def build_app(server: Server) -> FastAPI:
@@ -398,12 +450,19 @@ def build_app(server: Server) -> FastAPI:
     app = FastAPI(title="lab engine", version="0.1.0", lifespan=lifespan)
 
     @app.middleware("http")
-    async def require_key(request: Request, call_next):
+    async def guard(request: Request, call_next):
+        """The API key check, and the catch-all for errors no handler below maps. The catch-all is
+        here, not an `app.exception_handler(Exception)`: Starlette re-raises after such a handler,
+        and uvicorn would log the traceback a second time, without the request id. One middleware
+        for both, as each one costs every request a task."""
         if server.api_key and request.url.path not in OPEN_PATHS:
             if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
                 return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
                                       "authentication_error", "invalid_api_key")
-        return await call_next(request)
+        try:
+            return await call_next(request)
+        except Exception as exc:
+            return on_internal_error(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
