@@ -22,6 +22,15 @@ if TYPE_CHECKING:
 
 Better = Literal["higher", "lower"]
 
+# The note of a cell whose measurement means nothing on this engine (quality on random weights)
+# starts with this: such a cell is invalid, with no value, and is neither a failure nor a gap.
+NOT_APPLICABLE = "not applicable: "
+
+
+def random_weights_note(model: str) -> str:
+    """Why an answer-scoring cell is not applicable on an engine that serves random weights."""
+    return f"{NOT_APPLICABLE}the engine serves random weights ({model}), so answers carry no knowledge"
+
 
 @dataclass(frozen=True)
 class Step:

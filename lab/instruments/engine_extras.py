@@ -1,5 +1,5 @@
 """The optional endpoints an engine may offer beside the OpenAI API: `/tokenize`, its context
-length, `/reset_prefix_cache` and `/metrics`.
+length, `/reset_prefix_cache`, `/metrics` and `/v1/stats` (whether it serves random weights).
 
 Each one is optional. An engine that lacks one answers 404 (or 405, 501, or a 400 for a body it
 does not understand) and the caller gets None and falls back. A refused or dropped connection is
@@ -15,6 +15,9 @@ from typing import Any
 import httpx
 
 from lab.instruments.base import BootContext
+
+# How the bundled engine names the source of random weights in `/v1/stats` ("dummy:llama3-8b").
+RANDOM_WEIGHTS_SOURCE = "dummy:"
 
 
 class EngineExtras:
@@ -72,6 +75,17 @@ class EngineExtras:
         """The Prometheus exposition at `/metrics`, or None."""
         response = await self._http.get(f"{self._ctx.base_url}/metrics")
         return response.text if response.status_code == 200 else None
+
+    async def random_weights(self) -> bool | None:
+        """Whether the engine serves random weights (the bundled engine's `dummy:<preset>` models), as
+        `/v1/stats` says through `random_weights` or a `dummy:` source; None when it cannot say."""
+        stats = await self._json("GET", f"{self._ctx.base_url}/v1/stats")
+        if not isinstance(stats, dict):
+            return None
+        if isinstance(stats.get("random_weights"), bool):
+            return stats["random_weights"]
+        source = stats.get("source")
+        return source.startswith(RANDOM_WEIGHTS_SOURCE) if isinstance(source, str) else None
 
     async def _json(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
         response = await self._http.request(method, url, json=body)

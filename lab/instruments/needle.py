@@ -14,6 +14,10 @@ non-alphanumerics made one space, and the passphrase must occur as whole words.
 Cells: `found` (1/0) and `prefill_tok_s` (prompt tokens / TTFT of that request) with params
 `{length, depth}`, repeat = rep (`reps_at_longest` repeats at the longest length, one elsewhere);
 then `found_rate` over the whole grid, valid only when every cell of the grid was answered.
+
+On an engine that serves random weights (`/v1/stats` says so) no request is sent: every cell is
+invalid with a "not applicable: ..." note, since random weights retrieve nothing; the prefill
+instrument measures such an engine's prefill speed.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field, confloat, conint, field_validator
 from sqlalchemy import select
 
-from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.base import (NOT_APPLICABLE, Better, BootContext, Cell, Step, StepResult,
+                                  random_weights_note)
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
@@ -45,6 +50,7 @@ INSTRUCTION = "Find the secret passphrase in the text below."
 QUESTION = "What is the secret passphrase mentioned in the text above?"
 REPLY_PREFIX = "The secret passphrase is"
 SUMMARY_KEY = "found_rate"
+GRID_METRICS = (("found", "bool"), ("prefill_tok_s", "tok/s"))  # each grid step's cells, with their units
 
 
 class NeedleParams(PresetParams):
@@ -72,6 +78,7 @@ class NeedleParams(PresetParams):
 class NeedleInstrument:
     name: ClassVar[str] = "needle"
     Params: ClassVar[type[BaseModel]] = NeedleParams
+    needs_real_weights: ClassVar[bool] = True
 
     def metrics(self, params: BaseModel) -> dict[str, Better]:
         return {"found": "higher", "found_rate": "higher", "prefill_tok_s": "higher"}
@@ -95,12 +102,16 @@ class NeedleInstrument:
         def invalid(why: str, receipts: list[Receipt]) -> StepResult:
             ctx.log.warning("needle %s invalid: %s", step.key, why)
             return StepResult(cells=[Cell(metric, None, unit, cell_params, rep, valid=False, note=why,
-                                          requests=list(range(len(receipts))))
-                                     for metric, unit in (("found", "bool"), ("prefill_tok_s", "tok/s"))],
+                                          requests=list(range(len(receipts)))) for metric, unit in GRID_METRICS],
                               receipts=receipts)
 
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
                                                                  max_connections=1) as client:
+            if await extras.random_weights():
+                note = random_weights_note(ctx.model)
+                ctx.log.info("needle %s: %s", step.key, note)
+                return StepResult(cells=[Cell(metric, None, unit, cell_params, rep, valid=False, note=note,
+                                              requests=[]) for metric, unit in GRID_METRICS])
             limit = await extras.max_model_len()
             if limit is not None and length + params.answer_tokens > limit:
                 return invalid(f"{length} prompt tokens + {params.answer_tokens} answer tokens exceed the engine's "
@@ -146,10 +157,13 @@ class NeedleInstrument:
 
     def _summary(self, ctx: BootContext, planned: int) -> StepResult:
         """The found rate over every needle cell this slot stored (an earlier attempt of a resumed
-        slot included)."""
+        slot included); not applicable when every one of them is."""
         with ctx.store.session() as s:
             cells = s.scalars(select(m.Cell).where(m.Cell.slot_id == ctx.slot_id, m.Cell.instrument == self.name,
                                                    m.Cell.metric == "found")).all()
+        if cells and all(c.note.startswith(NOT_APPLICABLE) for c in cells):
+            return StepResult(cells=[Cell(SUMMARY_KEY, None, "fraction", valid=False, note=cells[0].note,
+                                          requests=[])])
         answered = [c.value for c in cells if c.valid and c.value is not None]
         if not answered:
             return StepResult(cells=[Cell(SUMMARY_KEY, None, "fraction", valid=False, requests=[],

@@ -23,6 +23,10 @@ McNemar's exact p is below `alpha` (a net regression that chance does not explai
 `max_broke` is set and broke exceeds it. Use `{metric: qeval.gate_pass, min: 1}` in `keep.gates`.
 On a few dozen tasks McNemar alone is lenient (6 broke, 0 fixed is the smallest significant
 count at 0.05), so set `max_broke: 0` where numerics must not change at all.
+
+On an engine that serves random weights (`/v1/stats` says so) no request is sent: every cell of the
+step is invalid with a "not applicable: ..." note, since answers from random weights carry no
+knowledge to score. A ladder cannot key its KEEP rule on them there (`lab.arms.validate`).
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ import math
 from collections import Counter
 from typing import Callable, ClassVar, Literal
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lab.instruments.base import Better, BootContext, Cell, QevalItem, Step, StepResult
+from lab.instruments.base import Better, BootContext, Cell, QevalItem, Step, StepResult, random_weights_note
 from lab.instruments.client import StreamingClient
+from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.opening_control import is_opening_control, load_reference
 from lab.instruments.qeval_task import QevalTask, load_tasks, task_set_hash
 from lab.instruments.scoring import Score, score, validate_tasks
@@ -105,6 +111,7 @@ class ScorerSelfCheckError(RuntimeError):
 class QevalInstrument:
     name: ClassVar[str] = "qeval"
     Params: ClassVar[type[BaseModel]] = QevalParams
+    needs_real_weights: ClassVar[bool] = True
 
     def __init__(self, scorer: Callable[[QevalTask, str], Score] = score) -> None:
         self._score = scorer
@@ -137,6 +144,13 @@ class QevalInstrument:
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise ScorerSelfCheckError(f"scorer fails its self-check on {len(problems)} case(s): {shown}")
+        async with EngineExtras(ctx) as extras:
+            try:
+                random_weights = await extras.random_weights()
+            except httpx.TransportError:
+                random_weights = None  # an engine that is gone fails every request below: each a failed task
+        if random_weights:
+            return StepResult(cells=_not_applicable_cells(ctx, tasks, random_weights_note(ctx.model)))
         payloads = [{"model": ctx.model, "messages": list(t.messages),
                      "max_tokens": math.ceil(t.max_tokens * params.max_tokens_scale),
                      "temperature": 0, "seed": params.seed} for t in tasks]
@@ -164,6 +178,20 @@ class QevalInstrument:
         passed = sum(it.passed for it in items)
         ctx.log.info("qeval %s: %d/%d passed", ctx.arm, passed, len(items))
         return StepResult(cells=cells, receipts=receipts, items=items)
+
+
+def _not_applicable_cells(ctx: BootContext, tasks: list[QevalTask], note: str) -> list[Cell]:
+    """Every cell the step would store, each invalid with `note` as the reason."""
+    params = ctx.params
+    assert isinstance(params, QevalParams)
+    units = {"score": "fraction", "passed": "tasks", "n_tasks": "tasks", "errors": "requests"}
+    cells = [Cell(metric, None, unit, valid=False, note=note, requests=[]) for metric, unit in units.items()]
+    cells += [Cell("category_score", None, "fraction", params={"category": category}, valid=False, note=note,
+                   requests=[]) for category in sorted({t.category for t in tasks})]
+    if not is_opening_control(ctx):
+        cells += paired_cells(None, {}, params, note)
+    ctx.log.info("qeval %s: %s", ctx.arm, note)
+    return cells
 
 
 def _score_cells(items: list[QevalItem], digest: str) -> list[Cell]:
