@@ -3,7 +3,10 @@
 Rules beyond the schema: one change per arm (unless `multi: true`), no arm identical to its
 control, names unique across the ladder, bundled-engine flags and LAB_ENGINE_* variables that exist
 with values the engine accepts, environment values that reach the engine intact, command templates
-with a `{port}` to fill, and KEEP metrics and gates that some listed instrument produces.
+with a `{port}` to fill, and KEEP metrics and gates that some listed instrument produces and
+that mean something on the weights the ladder boots: an instrument that scores answers (qeval,
+needle) stores only "not applicable" cells on random weights (the bundled engine's `dummy:<preset>`,
+vLLM's and SGLang's `--load-format dummy`), so no KEEP rule may key on it there.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from lab.arms.ladder import BundledEngine, CommandEngine, Ladder
 from lab.arms.yaml_lines import Located, load
 from lab.engine import config as engine_config
 from lab.instruments import REGISTRY
+from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -272,6 +276,7 @@ def _keep(ladder: Ladder, located: Located) -> list[Problem]:
     produced = {name: set(REGISTRY[name]().metrics(params)) for name, params in ladder.instruments.sections()}
     refs = [(("keep", "metrics", i), ref.metric) for i, ref in enumerate(ladder.keep.metric_refs())]
     refs += [(("keep", "gates", i, "metric"), gate.metric) for i, gate in enumerate(ladder.keep.gates)]
+    random_weights = _random_weights(ladder)
     problems = []
     for where, metric in refs:
         line = located.line(where)
@@ -285,6 +290,11 @@ def _keep(ladder: Ladder, located: Located) -> list[Problem]:
         elif name not in produced[instrument]:
             problems.append(Problem(line, f"KEEP metric {metric!r}: no instrument produces it ({instrument} "
                                           f"produces {', '.join(sorted(produced[instrument]))})"))
+        elif random_weights and _needs_real_weights(instrument):
+            *others, last = sorted(n for n in REGISTRY if not _needs_real_weights(n))
+            problems.append(Problem(line, f"{_dotted(where[:3])}: {metric} means nothing on random weights "
+                                          f"({random_weights}): their answers carry no knowledge to score; "
+                                          f"key on {', '.join(others)} or {last} instead"))
     arms = {arm.name for window in ladder.windows for arm in window.arms}
     for i, gate in enumerate(ladder.keep.gates):
         for j, name in enumerate(gate.arms):
@@ -292,3 +302,37 @@ def _keep(ladder: Ladder, located: Located) -> list[Problem]:
                 problems.append(Problem(located.line(("keep", "gates", i, "arms", j)),
                                         f"gate {gate.metric}: {name!r} is not an arm of this ladder"))
     return problems
+
+
+def _needs_real_weights(instrument: str) -> bool:
+    """Whether the instrument scores answers, which random weights cannot give."""
+    return bool(getattr(REGISTRY[instrument], "needs_real_weights", False))
+
+
+def _random_weights(ladder: Ladder) -> str | None:
+    """What makes a boot of this ladder load random weights ("dummy:llama3-8b", "arm A1: --load-format
+    dummy"), or None when every boot loads real ones."""
+    engine = ladder.engine
+    for arm in [None] + [arm for window in ladder.windows for arm in window.arms]:
+        flags, _ = render.merged(ladder, arm)
+        if isinstance(engine, BundledEngine):
+            # The engine takes the last --model it is given, and an arm's model flag follows engine.model.
+            models = [engine.model] + [str(v) for k, v in flags.items() if engine_config.knob_from_flag(k) == "model"]
+            found = models[-1] if models[-1].startswith(RANDOM_WEIGHTS_SOURCE) else None
+        else:
+            argv = [*engine.command, *render.render_command_flags(engine, flags)]
+            found = "--load-format dummy" if _loads_dummy_weights(argv) else None
+        if found:
+            return found if arm is None else f"arm {arm.name}: {found}"
+    return None
+
+
+def _loads_dummy_weights(argv: list[str]) -> bool:
+    """vLLM's and SGLang's `--load-format dummy` or `--load-format=dummy` (vLLM also reads `--load_format`)."""
+    for i, part in enumerate(argv):
+        name, equals, value = part.partition("=")
+        if name.replace("_", "-") != "--load-format":
+            continue
+        if (value if equals else argv[i + 1] if i + 1 < len(argv) else "") == "dummy":
+            return True
+    return False

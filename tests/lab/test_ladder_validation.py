@@ -38,6 +38,26 @@ def variant(old: str, new: str) -> str:
 
 ARM = "      - {name: A1, flags: {max-num-seqs: 4}}"
 
+# Random weights that list the instruments scoring answers: accepted, their cells say "not applicable".
+DUMMY = variant("  flags: {device: cpu}\n", "  model: dummy:llama3-8b\n  flags: {device: cpu}\n").replace(
+    "  memory:\n", "  memory:\n  qeval:\n  needle:\n")
+QEVAL_GATE = "  gates:\n    - {metric: qeval.gate_pass, min: 1}\n"
+VLLM = """\
+name: v
+engine:
+  kind: command
+  command: [vllm, serve, "{model}", --port, "{port}"%s]
+  model: meta-llama/Llama-3.1-8B-Instruct%s
+windows:
+  - name: W1
+    arms:
+      - {name: A1, flags: {max-num-seqs: 4}}
+instruments:
+  qeval:
+keep:
+  metrics: [qeval.score]
+"""
+
 # (case, ladder text, line, words the reason must contain)
 INVALID = [
     ("multi-change arm", variant(ARM, "      - {name: A1, flags: {max-num-seqs: 4, block-size: 32}}"), 8,
@@ -102,6 +122,22 @@ INVALID = [
         windows:
           - name: W1
         """), 4, "no {port} placeholder"),
+    ("qeval gate on a dummy model", DUMMY + QEVAL_GATE, 17,
+     "keep.gates[0]: qeval.gate_pass means nothing on random weights (dummy:llama3-8b): "),
+    ("needle key metric on a dummy model", DUMMY.replace("[memory.peak_memory_gib]",
+                                                         "[memory.peak_memory_gib, needle.prefill_tok_s]"), 15,
+     "keep.metrics[1]: needle.prefill_tok_s means nothing on random weights (dummy:llama3-8b)"),
+    ("qeval gate on an arm that boots a dummy model",
+     variant(ARM, '      - {name: A1, flags: {model: "dummy:llama3-8b"}}')
+     .replace("  memory:\n", "  memory:\n  qeval:\n") + QEVAL_GATE, 15,
+     "qeval.gate_pass means nothing on random weights (arm A1: dummy:llama3-8b)"),
+    ("qeval on vLLM's --load-format dummy", VLLM % (", --load-format, dummy", ""), 13,
+     "keep.metrics[0]: qeval.score means nothing on random weights (--load-format dummy)"),
+    ("qeval on --load-format=dummy", VLLM % (", --load-format=dummy", ""), 13,
+     "qeval.score means nothing on random weights (--load-format dummy)"),
+    ("qeval on an arm that loads dummy weights",
+     (VLLM % ("", "\n  flag_style: '--{name}={value}'")).replace("max-num-seqs: 4", "load-format: dummy"), 14,
+     "qeval.score means nothing on random weights (arm A1: --load-format dummy)"),
 ]
 
 
@@ -133,6 +169,12 @@ def test_multi_arm_and_an_arm_changing_only_the_process_environment_are_accepted
                         "      - {name: A2, env: {PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:True'}}")
     ladder = parse_ladder(text, "ok.yaml")
     assert [a.name for a in ladder.windows[0].arms] == ["A1", "A2"]
+
+
+def test_a_dummy_model_may_list_qeval_and_needle_when_its_rule_keys_on_neither() -> None:
+    ladder = parse_ladder(DUMMY, "dummy.yaml")
+    assert [name for name, _ in ladder.instruments.sections()] == ["memory", "qeval", "needle"]
+    parse_ladder(VLLM.replace("[qeval.score]", "[]") % (", --load-format, dummy", ""), "vllm.yaml")
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "ladders").glob("*.yaml")), ids=lambda p: p.name)
