@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from lab.instruments.base import NOT_APPLICABLE
 from lab.report.data import RunData
 from lab.stats import paired_counts
 
@@ -38,7 +39,8 @@ def reasons(data: RunData) -> dict[str, list[str]]:
 
 
 def qeval_table(data: RunData) -> pd.DataFrame:
-    """Every measured boot against its window's opening control, task by task (what the qeval gate pairs)."""
+    """Every measured boot against its window's opening control, task by task (what the qeval gate pairs);
+    then every boot where qeval was not applicable, with the reason."""
     items = data.qeval[(data.qeval["slot_status"] == "done") & ~data.qeval["cold"]]
     rows = []
     for window, part in items.groupby("window", sort=False):
@@ -60,6 +62,10 @@ def qeval_table(data: RunData) -> pd.DataFrame:
             else:
                 row["note"] = "no warm opening control with qeval items: nothing to pair against"
             rows.append(row)
+    cells = data.cells
+    skipped = cells[(cells["instrument"] == "qeval") & (cells["metric"] == "score") & (cells["slot_status"] == "done")
+                    & cells["note"].str.startswith(NOT_APPLICABLE)].sort_values("idx")
+    rows += [{"window": cell.window, "boot": cell.label, "note": cell.note} for cell in skipped.itertuples()]
     return pd.DataFrame(rows)
 
 
@@ -75,17 +81,30 @@ def agreement_table(data: RunData) -> pd.DataFrame:
 
 
 def figures_table(data: RunData) -> pd.DataFrame:
-    """Every stored figure: instrument, metric and params down, boots across; median of repeats."""
-    cells = data.cells[data.cells["valid"] & data.cells["value"].notna() & (data.cells["slot_role"] != "warmup")]
+    """Every stored figure: instrument, metric and params down, boots across; median of repeats. A
+    not-applicable cell shows as "n/a", its reason in the `note` column."""
+    cells = data.cells[data.cells["slot_role"] != "warmup"]
+    not_applicable = ~cells["valid"] & cells["note"].str.startswith(NOT_APPLICABLE)
+    cells = cells[cells["valid"] & cells["value"].notna() | not_applicable]
     if cells.empty:
         return pd.DataFrame()
     cells = cells.assign(params_text=cells["params"].map(_params),
                          boot=cells["label"] + cells["cold"].map({True: " (cold)", False: ""}))
-    table = cells.pivot_table(index=["instrument", "metric", "params_text", "unit"], columns="boot", values="value",
-                              aggfunc="median", sort=False)
+    index = ["instrument", "metric", "params_text", "unit"]
+    parts = []
+    figures = cells[cells["valid"]]
+    if not figures.empty:
+        parts.append(figures.pivot_table(index=index, columns="boot", values="value", aggfunc="median",
+                                         sort=False).map(_number))
+    skipped = cells[~cells["valid"]]
+    if not skipped.empty:
+        marks = skipped.assign(value="n/a").pivot_table(index=index, columns="boot", values="value", aggfunc="first",
+                                                        sort=False)
+        parts.append(marks.assign(note=skipped.groupby(index, sort=False)["note"].first()))
+    table = pd.concat(parts).fillna("")
     order = cells.drop_duplicates("boot").sort_values("idx")["boot"]
-    table = table[[b for b in order if b in table.columns]]
-    return table.map(_number).reset_index().rename(columns={"params_text": "params"})
+    table = table[[b for b in order if b in table.columns] + (["note"] if "note" in table.columns else [])]
+    return table.reset_index().rename(columns={"params_text": "params"})
 
 
 def boots_table(data: RunData) -> pd.DataFrame:
