@@ -18,6 +18,7 @@ from lab.engine.output_processor import OutputProcessor, RequestOutput
 from lab.engine.sampling_params import BadRequestError, SamplingParams
 from lab.engine.scheduler import Scheduler, SchedulerOutput
 from lab.engine.sequence import Sequence, Status, TokenLogprob
+from lab.engine.warm_caches import BuiltCaches
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,10 @@ class LLMEngine:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         started = time.monotonic()
+        # Before the load and the runner's warm-up, which are what may build a cache.
+        self.caches = BuiltCaches.snapshot()
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, seed=config.seed)
+        self.caches.record_weights(self.loaded.cache_path if self.loaded.cold else None)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

@@ -39,7 +39,14 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: str  # resolved path, or "dummy:<preset>"
     source_hash: str  # sha256 hex of the source file(s); for dummy weights, of preset and seed
-    cold: bool  # this load had to build its on-disk cache (always True for dummy weights)
+    # This load built an on-disk cache that later loads of the same source reuse (only a GGUF's
+    # first load does). Random weights are made anew by every load, so they never make it cold.
+    cold: bool
+    cache_path: str | None = None  # the weight cache directory read or built (GGUF only)
+
+    @property
+    def random_weights(self) -> bool:
+        return self.source.startswith(DUMMY_PREFIX)
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -108,7 +115,7 @@ def load_model(model: str, dtype: torch.dtype, device: str | torch.device = "cpu
         config = PRESETS[preset]
         config, weights, tokenizer = load_dummy(config, dtype, device, seed)
         digest = hashlib.sha256(f"{preset}:{seed}".encode()).hexdigest()
-        return LoadedModel(config, weights, tokenizer, model, digest, cold=True)
+        return LoadedModel(config, weights, tokenizer, model, digest, cold=False)
 
     path = bundled_model_path() if model == BUNDLED_MODEL else Path(model).expanduser()
     if not path.exists():
@@ -119,15 +126,16 @@ def load_model(model: str, dtype: torch.dtype, device: str | torch.device = "cpu
         from lab.engine.weights_hf import load_hf_directory
 
         config, weights, tokenizer, digest = load_hf_directory(path, dtype, device)
-        cold = False
+        cold, cache_path = False, None
     else:
         from lab.engine.weight_cache import WeightCache, cache_root, sha256_files
 
         _check_gguf_magic(path)
         digest = sha256_files([path])
         cache = WeightCache(cache_root(cache_dir), digest)
+        cache_path = str(cache.directory)
         cached = cache.read()
-        cold = cached is None
+        cold = False
         if cached is None:
             from lab.engine.weights_gguf import read_gguf
 
@@ -135,14 +143,16 @@ def load_model(model: str, dtype: torch.dtype, device: str | torch.device = "cpu
             cached = read_gguf(path)
             try:
                 cache.write(*cached)
+                cold = True
             except OSError as exc:
                 # The cache only saves time; a full disk or read-only home must not stop the boot.
+                # Every later load dequantizes again, as this one did: none is faster, so none is cold.
                 log.warning("could not write the weight cache in %s (%s); the next load will dequantize "
                             "%s again", cache.root, exc, path.name)
         config, weights, tokenizer = cached
         weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
     config = dataclasses.replace(config, name=name)
-    return LoadedModel(config, weights, tokenizer, str(path.resolve()), digest, cold)
+    return LoadedModel(config, weights, tokenizer, str(path.resolve()), digest, cold, cache_path)
 
 
 def _check_gguf_magic(path: Path) -> None:

@@ -37,6 +37,7 @@ def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -
     runner = engine.runner
     blocks = engine.blocks
     c = engine.counters
+    built = engine.caches.built()
     return {
         "config": engine.config.to_dict(),
         "config_hash": engine.config.hash,
@@ -44,7 +45,11 @@ def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -
         "served_model_name": served_model_name,
         "source": engine.loaded.source,
         "source_hash": engine.loaded.source_hash,
-        "cold": engine.loaded.cold,
+        # Cold: this boot built a cache that a later boot reuses, so it ran slower than that one will.
+        # Kernels compiled while serving count, so a boot can turn cold after it answered first.
+        "cold": bool(built),
+        "caches_built": built,
+        "random_weights": engine.loaded.random_weights,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "device": str(engine.device),

@@ -362,7 +362,7 @@ def test_dummy_weights_are_seeded_and_shaped() -> None:
     b = load_model("dummy:tiny", torch.float32, seed=7)
     c = load_model("dummy:tiny", torch.float32, seed=8)
     tiny = dataclasses.replace(PRESETS["tiny"], eos_token_ids=(511, 509))  # the dummy tokenizer's stop ids
-    assert a.config == tiny and a.cold is True and a.source == "dummy:tiny"
+    assert a.config == tiny and a.cold is False and a.source == "dummy:tiny"  # random weights: no cache
     assert {k: tuple(v.shape) for k, v in a.weights.items()} == weight_shapes(PRESETS["tiny"])
     assert all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
     assert not torch.equal(a.weights["model.embed_tokens.weight"], c.weights["model.embed_tokens.weight"])

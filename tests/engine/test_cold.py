@@ -1,0 +1,92 @@
+"""A boot is cold when it built an on-disk cache that later boots reuse, and /v1/stats says which:
+the GGUF weight cache at load, Triton's kernel cache whenever a kernel compiles. Random weights are
+no cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from lab.engine.warm_caches import BuiltCaches, triton_cache_dir
+from tests.engine.server_process import engine_server
+
+SMALL = ("--device", "cpu", "--max-model-len", "256", "--kv-cache-memory-bytes", str(32 << 20))
+
+
+def test_triton_cache_dir_is_the_one_triton_uses(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    knobs = pytest.importorskip("triton.knobs")
+    cases = [{}, {"TRITON_HOME": str(tmp_path / "home")}, {"TRITON_CACHE_DIR": str(tmp_path / "kernels"),
+                                                            "TRITON_HOME": str(tmp_path / "ignored")}]
+    for env in cases:
+        for name in ("TRITON_HOME", "TRITON_CACHE_DIR"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert triton_cache_dir() == Path(knobs.cache.dir).absolute(), env
+
+
+def test_triton_cache_set_empty_is_not_watched() -> None:
+    assert triton_cache_dir({"TRITON_CACHE_DIR": ""}) is None
+    assert BuiltCaches.snapshot({"TRITON_CACHE_DIR": ""}).built() == []
+
+
+def test_triton_entries_count_only_names_added_since_the_snapshot(tmp_path: Path) -> None:
+    cache = tmp_path / "triton"
+    caches = BuiltCaches.snapshot({"TRITON_CACHE_DIR": str(cache)})  # not there yet: Triton makes it
+    assert caches.built() == []
+    (cache / "OLD").mkdir(parents=True)
+    caches = BuiltCaches.snapshot({"TRITON_CACHE_DIR": str(cache)})
+    for name in ("A", "B"):
+        (cache / name).mkdir()
+    (cache / "OLD").rmdir()
+    assert caches.built() == [{"cache": "triton", "path": str(cache), "entries_added": 2}]
+
+
+@pytest.mark.slow
+def test_first_gguf_boot_builds_the_weight_cache_and_the_second_is_warm(tmp_path: Path,
+                                                                          smollm2_gguf: Path) -> None:
+    root = tmp_path / "lab-cache"
+    env = {"LAB_CACHE_DIR": str(root), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    digest = hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest()
+    with engine_server(tmp_path, "--model", "smollm2-135m", *SMALL, env=env) as first:
+        stats = first.stats()
+    assert stats["cold"] is True and stats["random_weights"] is False
+    assert stats["caches_built"] == [{"cache": "weights", "path": str(root / digest[:16]), "built": True}]
+    with engine_server(tmp_path, "--model", "smollm2-135m", *SMALL, env=env) as second:
+        stats = second.stats()
+    assert stats["cold"] is False and stats["caches_built"] == []
+
+
+@pytest.mark.slow
+def test_dummy_boot_is_warm_until_a_kernel_lands_in_the_triton_cache(tmp_path: Path) -> None:
+    triton = tmp_path / "triton"
+    env = {"LAB_CACHE_DIR": str(tmp_path / "lab-cache"), "TRITON_CACHE_DIR": str(triton)}
+    with engine_server(tmp_path, "--model", "dummy:smollm2-135m", *SMALL, env=env) as server:
+        stats = server.stats()
+        assert stats["cold"] is False and stats["caches_built"] == [] and stats["random_weights"] is True
+        # What a compile leaves: one directory per kernel hash, written by the engine's process.
+        kernel = triton / "K5WJ2OBEPMRLK3DKXHPBYSAGOLKS6IEZBYCZT7MRDSA37XTRCTBQ"
+        kernel.mkdir(parents=True)
+        (kernel / "decode_attention.json").write_text("{}")
+        stats = server.stats()
+    assert stats["cold"] is True
+    assert stats["caches_built"] == [{"cache": "triton", "path": str(triton), "entries_added": 1}]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_first_boot_compiles_into_the_triton_cache_and_the_second_reuses_it(tmp_path: Path) -> None:
+    env = {"LAB_CACHE_DIR": str(tmp_path / "lab-cache"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    flags = ("--model", "dummy:smollm2-135m", "--device", "cuda", "--max-model-len", "1024",
+             "--cuda-graph-max-batch-size", "4")
+    with engine_server(tmp_path, *flags, env=env, timeout=600) as first:
+        stats = first.stats()
+    assert stats["cold"] is True and [c["cache"] for c in stats["caches_built"]] == ["triton"]
+    assert stats["caches_built"][0]["entries_added"] > 0
+    with engine_server(tmp_path, *flags, env=env, timeout=600) as second:
+        stats = second.stats()
+    assert stats["cold"] is False and stats["caches_built"] == [], stats["caches_built"]
