@@ -79,6 +79,7 @@ def run_slot(rc: RunContext, slot: m.Slot) -> str:
     path = log_path(rc, slot, attempt)
     proc = engine_boot.EngineProcess(spec.argv, env, path)
     sampler = MemSampler().start()
+    at_ready: dict[str, Any] | None = None  # /v1/stats at ready, once the boot passed its check
     rc.status(f"{label}: starting")
     try:
         try:
@@ -93,16 +94,19 @@ def run_slot(rc: RunContext, slot: m.Slot) -> str:
             return _fail(rc, slot, boot_id, "failed", ready.reason, proc, sampler)
         refusal, stats, cold = _check(rc, proc, spec)
         writer.update_boot(rc.store, boot_id, ready_at=writer.now(), ready_s=ready.seconds, cold=cold,
+                           reason=_cold_reason((stats or {}).get("caches_built")) if cold else None,
                            booted_config_hash=stats.get("config_hash") if stats else None, engine_stats=stats,
                            status="ready")
         if refusal:
             return _fail(rc, slot, boot_id, "refused", refusal, proc, sampler)
+        at_ready = stats
         log.info("%s ready in %.1f s%s", label, ready.seconds, " (cold)" if cold else "")
         if slot.role != "warmup":
             died = _measure(rc, slot, boot_id, attempt, spec, proc, sampler, label)
             if died:
                 return _fail(rc, slot, boot_id, "died", died, proc, sampler)
         rc.status(f"{label}: stopping")
+        _recheck_cold(rc, proc, spec, boot_id, at_ready, label)
         stopped = proc.stop(engine.stop_grace_s)
         sampler.stop()
         writer.update_boot(rc.store, boot_id, status="done", stopped_at=writer.now(), exit_status=stopped.exit_status,
@@ -110,6 +114,12 @@ def run_slot(rc: RunContext, slot: m.Slot) -> str:
         writer.set_slot_status(rc.store, slot.id, "done")
         return "done"
     except BaseException as exc:
+        if at_ready is not None:
+            # The cells this boot stored count after `lab run --resume`, so record whether they are cold.
+            try:
+                _recheck_cold(rc, proc, spec, boot_id, at_ready, label, timeout_s=5.0)
+            except Exception as recheck_error:
+                log.warning("%s: could not recheck whether the boot built a cache: %s", label, recheck_error)
         stopped = proc.stop(engine.stop_grace_s) if proc.proc is not None else None
         sampler.stop()
         writer.update_boot(rc.store, boot_id, status="interrupted", reason=f"lab run stopped: {type(exc).__name__}",
@@ -133,10 +143,65 @@ def _check(rc: RunContext, proc: engine_boot.EngineProcess,
             return refusal, stats, bool(stats.get("cold"))
         cold = stats["cold"] if isinstance(stats.get("cold"), bool) else not warmed_before
         return None, stats, cold
-    # No hash to compare for other engines: the stored argv and env are the receipt. Their JIT caches
-    # are cold on the first boot of a run, which reads several percent slow (field note 004).
+    # No hash to compare for other engines: the stored argv and env are the receipt. Nothing says
+    # what they built, so their JIT caches are taken as cold on the first boot of a run, which reads
+    # several percent slow.
     status, models = proc.get_json(f"{spec.api_base}/models", spec.api_key)
     return None, {"v1_models": models} if status == 200 else None, not warmed_before
+
+
+def _recheck_cold(rc: RunContext, proc: engine_boot.EngineProcess, spec: arm_launch.Launch, boot_id: int,
+                  at_ready: dict[str, Any] | None, label: str, timeout_s: float = 30.0) -> None:
+    """Read a bundled engine's /v1/stats once more before it stops: Triton compiles a kernel at the
+    first use of a new specialization, so a boot may build a cache while it is measured, and its
+    figures are then cold. Stores what was built by now in the engine stats
+    (`caches_built_before_stop`) and, when anything was built after ready, the cold flag and why."""
+    if not isinstance(rc.ladder.engine, BundledEngine) or at_ready is None:
+        return
+    status, now = proc.get_json(f"{spec.base_url}/v1/stats", timeout_s=timeout_s)
+    built = now.get("caches_built") if status == 200 and isinstance(now, dict) else None
+    if not isinstance(built, list):
+        log.warning("%s: /v1/stats answered %s before stop; the boot's cold flag is the one read at ready",
+                    label, status or "nothing")
+        return
+    fields: dict[str, Any] = {"engine_stats": {**at_ready, "caches_built_before_stop": built}}
+    by_ready = at_ready.get("caches_built") or []
+    after = _built_since(by_ready, built)
+    if after:
+        fields.update(cold=True, reason=_cold_reason(by_ready, after))
+        log.info("%s built %s after ready: cold", label, _describe(after))
+    writer.update_boot(rc.store, boot_id, **fields)
+
+
+def _cold_reason(by_ready: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None = None) -> str:
+    """Why a boot is cold, for `lab ls`: the caches a bundled engine built by ready and after it
+    (`caches_built` lists of /v1/stats); with neither, the first-boot rule of command engines."""
+    parts = ([f"{_describe(by_ready)} by ready"] if by_ready else []) + \
+        ([f"{_describe(after)} after ready"] if after else [])
+    return "cold: built " + "; ".join(parts) if parts else "cold: first boot of the run (its JIT caches start empty)"
+
+
+def _built_since(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The part of `now` that `before` did not have yet (both /v1/stats `caches_built` lists)."""
+    earlier = {entry["cache"]: entry for entry in before}
+    since = []
+    for entry in now:
+        old = earlier.get(entry["cache"])
+        if old is None:
+            since.append(entry)
+        elif entry.get("entries_added", 0) > old.get("entries_added", 0):
+            since.append({**entry, "entries_added": entry["entries_added"] - old["entries_added"]})
+    return since
+
+
+def _describe(built: list[dict[str, Any]]) -> str:
+    """E.g. `the weights cache, 14 entries of the triton cache`."""
+    words = []
+    for entry in built:
+        added = entry.get("entries_added")
+        what = f"the {entry['cache']} cache"
+        words.append(what if added is None else f"{added} {'entry' if added == 1 else 'entries'} of {what}")
+    return ", ".join(words)
 
 
 def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm_launch.Launch,
