@@ -130,6 +130,8 @@ class ModelRunner:
                                        max_model_len, max_batch,
                                        lambda bs: self.attention.context_bounds(bs, k_cache, max_model_len))
             self.graphs.capture()
+        if device.type == "cuda" and self.attention.name == "triton":
+            self.attention.warm_up(*self.kv_layers[0], self.null_block, mc.num_heads, dtype)
         # Two sets of pinned buffers for sampled tokens, used alternately by overlapped decode
         # steps: step N+1 copies into one while the host has yet to read step N's from the other.
         rows = max(config.max_num_seqs, 1)

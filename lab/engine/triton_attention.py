@@ -8,7 +8,7 @@ import torch
 from lab.engine.attention import FP8_DTYPES, causal_attention, gather_context
 from lab.engine.attention_metadata import AttentionMetadata
 from lab.engine.kernels import decode_attention, prefill_attention, write_kv_cache
-from lab.engine.kernels.decode_attention import num_splits_for, split_context_bounds
+from lab.engine.kernels.decode_attention import MAX_SPLITS, num_splits_for, split_context_bounds
 
 
 # Up to this many prefill chunks in a step go to flash attention one by one; more (many short
@@ -53,6 +53,32 @@ class TritonAttention:
                               max_query_len=meta.max_query_len, k_scale=self.k_scale,
                               v_scale=self.v_scale)
         return out
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, null_block: int, num_heads: int,
+                dtype: torch.dtype) -> None:
+        """Compile, before the engine serves, every variant of the attention kernels that a step
+        may launch: the paged prefill kernel (bursts of more than FEW_PREFILLS prompts) and the
+        decode kernels at every split count of an eager step (no CUDA graph: graphs off, or a
+        batch past the largest one). Without this a first boot compiles them while it is being
+        measured, and its figures include the compile. Reads and writes only the null block."""
+        device = k_cache.device
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        # q as the model passes it: a view of the fused qkv rows, so strides specialise alike.
+        qkv = torch.zeros(2, num_heads + 2 * kv_heads, head_dim, dtype=dtype, device=device)
+        q = qkv[:, :num_heads]
+        table = torch.full((2, 1), null_block, dtype=torch.int32, device=device)
+        context = torch.ones(2, dtype=torch.int32, device=device)
+        out = torch.empty(q.shape, dtype=dtype, device=device)
+        # Split count 1 runs the direct variant; each power-of-two bucket above it is a merge width.
+        splits = [1] + [width // 2 + 1 for width in (2 ** i for i in range(1, MAX_SPLITS.bit_length()))
+                        if width // 2 + 1 <= MAX_SPLITS]
+        for num_splits in sorted(set(splits)):
+            decode_attention(q[:1], k_cache, v_cache, table[:1], context[:1], 1.0, out[:1],
+                             k_scale=self.k_scale, v_scale=self.v_scale, num_splits=num_splits)
+        starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+        prefill_attention(q, k_cache, v_cache, table, starts, context, 1.0, out, first_seq=1, num_seqs=1,
+                          max_query_len=1, k_scale=self.k_scale, v_scale=self.v_scale)
+        torch.cuda.synchronize(device)
 
     def context_bounds(self, batch: int, k_cache: torch.Tensor, max_model_len: int) -> list[int]:
         """Longest contexts at which a decode launch of `batch` sequences changes shape (its split

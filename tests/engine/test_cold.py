@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lab.engine.warm_caches import BuiltCaches, triton_cache_dir
@@ -90,3 +92,36 @@ def test_gpu_first_boot_compiles_into_the_triton_cache_and_the_second_reuses_it(
     with engine_server(tmp_path, *flags, env=env, timeout=600) as second:
         stats = second.stats()
     assert stats["cold"] is False and stats["caches_built"] == [], stats["caches_built"]
+
+
+def _triton_entries(stats: dict) -> int:
+    return sum(c.get("entries_added", 0) for c in stats["caches_built"] if c["cache"] == "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("graphs", ["true", "false"])
+def test_gpu_serving_compiles_nothing_after_ready(tmp_path: Path, graphs: str) -> None:
+    """Every kernel variant a step can launch is compiled before the engine serves: a burst of
+    prompts (the paged prefill kernel), chunked prefill over a cached prefix and decodes of every
+    batch size add nothing to the Triton cache, so a measured boot is never a compiling one."""
+    env = {"LAB_CACHE_DIR": str(tmp_path / "lab-cache"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    flags = ("--model", "dummy:smollm2-135m", "--device", "cuda", "--max-model-len", "2048",
+             "--max-num-batched-tokens", "256", "--cuda-graph-max-batch-size", "4", "--cuda-graphs", graphs)
+    with engine_server(tmp_path, *flags, env=env, timeout=600) as server:
+        url = f"{server.url}/v1/completions"
+        # The first completion is the lab's readiness probe.
+        httpx.post(url, json={"prompt": "Hi", "max_tokens": 1}, timeout=120).raise_for_status()
+        before = _triton_entries(server.stats())
+
+        def complete(prompt: str, tokens: int) -> None:
+            body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
+            httpx.post(url, json=body, timeout=300).raise_for_status()
+
+        with ThreadPoolExecutor(12) as pool:
+            list(pool.map(lambda i: complete(" the" * (3 + 37 * i), 6 + i), range(12)))
+        complete(" the quiet river" * 300, 40)  # 900+ tokens: chunks over a cached prefix
+        complete(" the quiet river" * 300 + " and more", 5)  # a prefix-cache hit
+        after = _triton_entries(server.stats())
+    assert after == before, f"{after - before} Triton kernels compiled while serving"

@@ -42,7 +42,10 @@ MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 
 
-@triton.jit
+# The split count follows the context length, the block table's width the longest sequence:
+# specialising on them would compile new variants while the engine serves (eager steps, or a
+# batch past the largest graph).
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, num_splits,
                          stride_qt, stride_qh, stride_ot, stride_oh,
@@ -97,7 +100,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], out, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh, head_dim,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0)

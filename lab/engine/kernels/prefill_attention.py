@@ -20,7 +20,10 @@ import triton.language as tl
 from lab.engine.kernels.paged_tiles import attend_tiles, dot_in_fp16, dot_precision
 
 
-@triton.jit
+# `first_seq` (the decodes ahead of the prefills in a mixed batch) and the block table's width
+# change from step to step: specialising on their values would compile new variants while the
+# engine serves.
+@triton.jit(do_not_specialize=["first_seq", "stride_table"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
                     out_ptr, qk_scale, v_scale, first_seq,
                     stride_qt, stride_qh, stride_ot, stride_oh,
