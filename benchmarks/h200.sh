@@ -50,7 +50,7 @@ for stage in $stages; do
     profile) { timeout 120 python3 benchmarks/step_profile.py --kv-cache-dtype fp8;
             timeout 100 python3 benchmarks/step_profile.py; } > "$OUT/step_profile.txt" 2>&1 ;;
     lab) run=h200-$commit
-         { timeout 540 python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
+         { timeout 555 python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
            echo "lab run exit $?"
            python3 -m lab ls --db "$OUT/lab-h200.db" "$run"
            python3 -m lab report --db "$OUT/lab-h200.db" --out reports "$run"
