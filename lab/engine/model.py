@@ -2,13 +2,8 @@
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into one) so a layer runs
 four matrix products; norms, RoPE and attention come from pluggable implementations so the same
-model runs the PyTorch path on the CPU and Triton kernels on CUDA.
-
-On the CPU, products with few rows (decode steps) are computed as `(W @ x^T)^T` rather than
-`x @ W^T`: with torch 2.13's MKL on the 2-core development host, that "NN" product of the
-[out, in] weights runs 2x faster than `F.linear` for 2 to 32 rows, and a single row is padded to
-two because MKL's one-column path is as slow as `F.linear` (30 layers of SmolLM2: 17.7 ms for one
-row against 35.4 ms; the LM head 2.8 ms against 9.9 ms). From 128 rows up `F.linear` wins."""
+model runs the PyTorch path on the CPU and Triton kernels on CUDA. On the CPU, each product's
+layout is the one measured fastest on the host for its shape and row count (`cpu_linear`)."""
 
 from __future__ import annotations
 
@@ -21,10 +16,8 @@ import torch.nn.functional as F
 from lab.engine import layers
 from lab.engine.attention import AttentionBackend
 from lab.engine.attention_metadata import AttentionMetadata
+from lab.engine.cpu_linear import CpuLinear
 from lab.engine.model_config import ModelConfig
-
-
-CPU_NARROW_ROWS = 64  # up to this many rows, the CPU path uses (W @ x^T)^T (see the module docstring)
 
 
 @dataclass
@@ -95,6 +88,10 @@ class Model:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
+        self.cpu_linear: CpuLinear | None = None
+        if self.on_cpu:
+            self.cpu_linear = CpuLinear.for_model([(lw.qkv, lw.o, lw.gate_up, lw.down) for lw in self.layers],
+                                                  [self.lm_head])
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -103,12 +100,7 @@ class Model:
         if ops.skinny_linear is not None and rows <= ops.skinny_rows:
             y = ops.skinny_linear(x, w, out_dtype=out_dtype)
             return y.add_(bias) if bias is not None else y
-        if not self.on_cpu or rows > CPU_NARROW_ROWS:
-            y = F.linear(x, w, bias)
-        else:
-            xt = (x if rows > 1 else x.repeat(2, 1)).t()  # a real second row: a stride-0 view is slow
-            y = (w @ xt).t()[:rows].contiguous()
-            y = y.add_(bias) if bias is not None else y
+        y = F.linear(x, w, bias) if self.cpu_linear is None else self.cpu_linear(x, w, bias)
         return y if out_dtype is None else y.to(out_dtype)
 
     # The residual stream is carried as (hidden, residual). On the reference path a block's output
