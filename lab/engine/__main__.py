@@ -34,15 +34,20 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from lab.engine.bench import BenchOptions, run_bench
+    from lab.engine.bench import BenchOptions, ServerError, run_bench
 
     cfg = knobs.from_namespace(ns)
     opts = BenchOptions(
         prefill_lengths=[int(x) for x in ns.prefill_lengths.split(",") if x],
         decode_tokens=ns.decode_tokens, concurrency=ns.concurrency, prompt_tokens=ns.prompt_tokens,
         reference=ns.reference, repeats=ns.repeats, throughput=[int(x) for x in ns.throughput.split(",") if x],
-        throughput_tokens=ns.throughput_tokens, reference_prefill_max=ns.reference_prefill_max, json_out=ns.json)
-    return run_bench(cfg, opts)
+        throughput_tokens=ns.throughput_tokens, reference_prefill_max=ns.reference_prefill_max, json_out=ns.json,
+        served=ns.served, server_log=ns.server_log, server_timeout_s=ns.server_timeout)
+    try:
+        return run_bench(cfg, opts)
+    except ServerError as exc:
+        print(f"lab engine bench: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     knobs.add_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="offline benchmark against Hugging Face transformers",
+    bench = sub.add_parser("bench", help="offline (and served) benchmark against Hugging Face transformers",
                            description="Prefill tok/s, batch-1 decode tok/s and aggregate decode tok/s at a "
-                                       "concurrency, for this engine and for transformers on the same weights.")
+                                       "concurrency, for this engine and for transformers on the same weights. "
+                                       "With --served, the same decode workloads also run through the engine's "
+                                       "own server (booted with the same knobs on a free loopback port, stopped "
+                                       "at the end), and the table shows served figures and served / offline.")
     bench.add_argument("--prefill-lengths", default="512,2048", help="comma-separated prompt lengths")
     bench.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode measurement")
     bench.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for decode measurements")
@@ -76,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reference-prefill-max", type=int, default=32768,
                        help="longest prompt given to transformers (eager attention's score matrix grows "
                             "with the square of the length)")
+    bench.add_argument("--served", action="store_true",
+                       help="also run the decode workloads through `lab engine serve` as a subprocess: streamed "
+                            "/v1/completions with ignore_eos and token-id prompts, timed by the client "
+                            "(batch 1: per-stream tok/s; the concurrency batch: aggregate tok/s)")
+    bench.add_argument("--server-log", default=None,
+                       help="with --served: write the server's output here [default: a new temporary file]")
+    bench.add_argument("--server-timeout", type=float, default=600.0,
+                       help="with --served: seconds to wait for the server's /health [default: 600]")
     bench.add_argument("--json", default=None, help="also write the figures to this JSON file")
     bench.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     knobs.add_arguments(bench)

@@ -9,20 +9,39 @@ Figures:
 - on request, throughput runs of N requests of `throughput_tokens` prompt and output tokens:
   overall output tok/s (prefill included) and decode-phase tok/s.
 Transformers is timed the same way: prefill is one forward pass keeping only the last logits;
-decode is `generate` of N tokens minus `generate` of 1 token, greedy, with its KV cache."""
+decode is `generate` of N tokens minus `generate` of 1 token, greedy, with its KV cache.
+
+With `served`, the same decode workloads (the same prompt token ids) also go through the engine's
+own HTTP server, booted as a subprocess with the same knobs: streamed `/v1/completions` with
+`ignore_eos`, timed by the client at each SSE chunk's arrival. Per-stream decode tok/s is
+(tokens - 1) / (last chunk - first chunk); the aggregate is the tokens that arrived after every
+stream had its first one, over the time from then to the last token. What the served figures lose
+against the offline ones is the server's per-token cost: HTTP, SSE framing, detokenization and
+the hand-off between the engine thread and the event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
+import os
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
 
+import httpx
 import torch
 
-from lab.engine.config import EngineConfig
+from lab.engine.config import KNOBS, EngineConfig, flag_name
 from lab.engine.llm import LLM
 from lab.engine.loader import load_model
 from lab.engine.model_config import ModelConfig
@@ -45,6 +64,9 @@ class BenchOptions:
     throughput_tokens: int = 1024
     reference_prefill_max: int = 32768  # longer prompts are too big for eager attention's score matrix
     json_out: str | None = None
+    served: bool = False  # also run the decode workloads through the engine's own server
+    server_log: str | None = None  # the served engine's output (default: a new temporary file)
+    server_timeout_s: float = 600.0  # longest wait for the served engine to answer /health
 
 
 @dataclass
@@ -55,6 +77,10 @@ class Figure:
     reference: dict[str, float] = field(default_factory=dict)  # implementation -> value
     floor_fraction: float | None = None  # share of the physical floor reached (1 = at the floor)
     note: str = ""
+    runs: list[float] = field(default_factory=list)  # every repeat behind `ours`
+    served: float | None = None  # the same workload through the engine's server
+    served_runs: list[float] = field(default_factory=list)
+    served_note: str = ""
 
 
 class Figures(list):
@@ -168,10 +194,189 @@ def hf_decode_tok_s(model, prompts: list[list[int]], new_tokens: int, device: to
     return len(prompts) * (new_tokens - 1) / max(1e-9, t_n - t_1)
 
 
+# -- the engine through its server ------------------------------------------------------------
+
+class ServerError(RuntimeError):
+    """The served engine did not come up, died, or answered a request with an error."""
+
+
+def engine_flags(cfg: EngineConfig) -> list[str]:
+    """Every knob as an explicit flag, so the served engine runs exactly `cfg` whatever
+    LAB_ENGINE_* variables it inherits (flags win)."""
+    flags = []
+    for name in KNOBS:
+        value = getattr(cfg, name)
+        flags += [flag_name(name), str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text("utf-8", errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
+
+
+@contextmanager
+def served_engine(cfg: EngineConfig, log_path: Path, timeout_s: float) -> Iterator[str]:
+    """`python -m lab.engine serve` with `cfg` on a free loopback port, in its own process group,
+    output to `log_path`; yields its base URL once /health answers and its config hash is `cfg`'s.
+    Stopped (SIGTERM, then SIGKILL) on the way out, whatever happened."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "lab.engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning", *engine_flags(cfg)]
+    url = f"http://127.0.0.1:{port}"
+    log.info("booting the served engine on %s, output in %s", url, log_path)
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise ServerError(f"the served engine exited with {proc.returncode} before answering /health "
+                                  f"(log {log_path}): {_last_line(log_path)}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"the served engine did not answer /health in {timeout_s:g} s (log {log_path})")
+            time.sleep(0.2)
+        served_hash = httpx.get(f"{url}/v1/stats", timeout=30).json().get("config_hash")
+        if served_hash != cfg.hash:
+            raise ServerError(f"the served engine runs config {served_hash}, not the bench's {cfg.hash}")
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        log.warning("the served engine ignored SIGTERM for 10 s; killing it")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class Stream:
+    """One streamed completion as the client saw it."""
+    chunk_times: list[float]  # perf_counter at each chunk carrying text
+    tokens: int  # completion tokens, from the final usage chunk
+
+
+@dataclass
+class ServedDecode:
+    per_stream_tok_s: float  # median over the streams of (tokens - 1) / (last chunk - first chunk)
+    agg_tok_s: float  # tokens arriving after every stream started, over the time from then to the end
+    tokens_per_chunk: float  # 1.0 when every token came in its own chunk, as the timing assumes
+
+
+async def _stream(client: httpx.AsyncClient, url: str, ids: list[int], new_tokens: int) -> Stream:
+    body = {"prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    times: list[float] = []
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise ServerError(f"/v1/completions answered {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.perf_counter()
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            payload = json.loads(data)
+            if "error" in payload:
+                raise ServerError(f"/v1/completions streamed an error: {payload['error']}")
+            if payload.get("usage"):
+                tokens = payload["usage"]["completion_tokens"]
+            if any(c.get("text") for c in payload["choices"]):
+                times.append(now)
+    if tokens != new_tokens:
+        raise ServerError(f"asked for {new_tokens} tokens with ignore_eos, got {tokens}")
+    return Stream(times, tokens)
+
+
+async def _served_decode_async(url: str, prompts: list[list[int]], new_tokens: int) -> list[Stream]:
+    limits = httpx.Limits(max_connections=len(prompts) + 2, max_keepalive_connections=len(prompts) + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+        return await asyncio.gather(*[_stream(client, url, ids, new_tokens) for ids in prompts])
+
+
+def served_decode(url: str, prompts: list[list[int]], new_tokens: int) -> ServedDecode:
+    """The prompts streamed together; decode speed as the client saw it."""
+    streams = asyncio.run(_served_decode_async(url, prompts, new_tokens))
+    chunks = sum(len(s.chunk_times) for s in streams)
+    per_chunk = sum(s.tokens for s in streams) / max(1, chunks)
+    if per_chunk != 1.0:
+        log.warning("%d tokens came in %d chunks: some chunks carried more than one token (text that "
+                    "completes only with the next token), so the served timing is approximate",
+                    sum(s.tokens for s in streams), chunks)
+    per_stream = [(s.tokens - 1) / (s.chunk_times[-1] - s.chunk_times[0]) for s in streams
+                  if len(s.chunk_times) > 1 and s.chunk_times[-1] > s.chunk_times[0]]
+    all_started = max(s.chunk_times[0] for s in streams)
+    end = max(s.chunk_times[-1] for s in streams)
+    after = sum(sum(t > all_started for t in s.chunk_times) for s in streams) * per_chunk
+    return ServedDecode(per_stream_tok_s=statistics.median(per_stream) if per_stream else float("nan"),
+                        agg_tok_s=after / (end - all_started) if end > all_started else float("nan"),
+                        tokens_per_chunk=per_chunk)
+
+
+def _run_served(cfg: EngineConfig, opts: BenchOptions, b1_prompts: list[list[int]], bc_prompts: list[list[int]],
+                figures: list[Figure], warmup_prompt: list[int]) -> str:
+    """The decode figures through the served engine; returns the server log's path."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the figures
+    if opts.server_log:
+        log_path = Path(opts.server_log)
+    else:
+        fd, name = tempfile.mkstemp(prefix="lab-bench-serve-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    by_name = {f.name: f for f in figures}
+    b1_fig, bc_fig = by_name["decode batch 1"], by_name[f"decode batch {opts.concurrency} (aggregate)"]
+    with served_engine(cfg, log_path, opts.server_timeout_s) as url:
+        served_decode(url, [warmup_prompt], 8)  # warm-up, as offline
+        b1 = [served_decode(url, b1_prompts, opts.decode_tokens) for _ in range(opts.repeats)]
+        bc = [served_decode(url, bc_prompts, opts.decode_tokens) for _ in range(opts.repeats)]
+    b1_fig.served_runs = [r.per_stream_tok_s for r in b1]
+    b1_fig.served = _median(b1_fig.served_runs)
+    bc_fig.served_runs = [r.agg_tok_s for r in bc]
+    bc_fig.served = _median(bc_fig.served_runs)
+    bc_fig.served_note = f"per stream {_median([r.per_stream_tok_s for r in bc]):,.1f} tok/s"
+    for fig, runs in ((b1_fig, b1), (bc_fig, bc)):
+        per_chunk = max(r.tokens_per_chunk for r in runs)
+        if per_chunk != 1.0:
+            fig.served_note = ", ".join(x for x in (fig.served_note, f"{per_chunk:.2f} tokens/chunk") if x)
+        log.info("figure: %s served = %.1f tok/s (%.2fx offline)", fig.name, fig.served,
+                 fig.served / fig.ours if fig.ours else float("nan"))
+    return str(log_path)
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 def _median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
@@ -203,16 +408,17 @@ def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
 
     decode_b1_prompts = [prompts(opts.prompt_tokens)]
     decode_bc_prompts = [prompts(opts.prompt_tokens) for _ in range(opts.concurrency)]
-    engine_decode(llm, [prompts(opts.prompt_tokens)], 8, None)  # warm-up (graphs, allocator)
+    warmup_prompt = prompts(opts.prompt_tokens)
+    engine_decode(llm, [warmup_prompt], 8, None)  # warm-up (graphs, allocator)
     b1 = [engine_decode(llm, decode_b1_prompts, opts.decode_tokens, ceilings) for _ in range(opts.repeats)]
     bc = [engine_decode(llm, decode_bc_prompts, opts.decode_tokens, ceilings) for _ in range(opts.repeats)]
     figures.append(Figure("decode batch 1", "tok/s", ours=_median([r.tok_s for r in b1]),
-                          floor_fraction=_median([r.floor_fraction for r in b1 if r.floor_fraction]),
-                          note=f"step {1e3 * _median([r.step_s for r in b1]):.2f} ms"))
+                          floor_fraction=_median_or_none([r.floor_fraction for r in b1 if r.floor_fraction]),
+                          note=f"step {1e3 * _median([r.step_s for r in b1]):.2f} ms", runs=[r.tok_s for r in b1]))
     figures.append(Figure(f"decode batch {opts.concurrency} (aggregate)", "tok/s",
                           ours=_median([r.tok_s for r in bc]),
-                          floor_fraction=_median([r.floor_fraction for r in bc if r.floor_fraction]),
-                          note=f"step {1e3 * _median([r.step_s for r in bc]):.2f} ms"))
+                          floor_fraction=_median_or_none([r.floor_fraction for r in bc if r.floor_fraction]),
+                          note=f"step {1e3 * _median([r.step_s for r in bc]):.2f} ms", runs=[r.tok_s for r in bc]))
     for n in opts.throughput:
         run = engine_decode(llm, [prompts(opts.throughput_tokens) for _ in range(n)], opts.throughput_tokens,
                             ceilings)
@@ -221,20 +427,25 @@ def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
                               floor_fraction=run.floor_fraction,
                               note=f"step {1e3 * run.step_s:.2f} ms"))
 
+    # The offline engine goes before the served one boots or transformers loads: its KV pool holds
+    # most of the device's memory, and on a small CPU its threads would compete with the server's.
+    del llm, engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        log.info("engine released: %.1f GiB still allocated", torch.cuda.memory_allocated(device) / 2**30)
+    server_log = None
+    if opts.served:
+        server_log = _run_served(cfg, opts, decode_b1_prompts, decode_bc_prompts, figures, warmup_prompt)
     if opts.reference == "hf":
-        del llm, engine
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            log.info("engine released: %.1f GiB still allocated", torch.cuda.memory_allocated(device) / 2**30)
         _run_reference(cfg, opts, mc, device, dtype, prefill_sets, decode_b1_prompts, decode_bc_prompts, figures)
 
-    _print(figures, cfg, device, dtype, ceilings)
+    _print(figures, cfg, device, dtype, ceilings, server_log)
     if opts.json_out:
         with open(opts.json_out, "w") as f:
             json.dump({"config": cfg.to_dict(), "config_hash": cfg.hash, "device": str(device),
-                       "dtype": str(dtype), "ceilings": asdict(ceilings),
-                       "figures": [asdict(f) for f in figures]}, f, indent=2)
+                       "dtype": str(dtype), "ceilings": asdict(ceilings), "torch_threads": torch.get_num_threads(),
+                       "server_log": server_log, "figures": [asdict(f) for f in figures]}, f, indent=2)
     return 0
 
 
@@ -272,15 +483,19 @@ def _run_reference(cfg: EngineConfig, opts: BenchOptions, mc: ModelConfig, devic
 
 
 def _print(figures: list[Figure], cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
-           ceilings: Ceilings) -> None:
+           ceilings: Ceilings, server_log: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     impls = sorted({k for f in figures for k in f.reference})
     table = Table(title=f"lab engine bench — {cfg.model} on {device} ({str(dtype).removeprefix('torch.')}), "
                         f"config {cfg.hash}")
+    served = any(f.served is not None for f in figures)
     table.add_column("figure")
     table.add_column("lab", justify="right")
+    if served:
+        table.add_column("lab served", justify="right")
+        table.add_column("served / lab", justify="right")
     for impl in impls:
         table.add_column(impl, justify="right")
         table.add_column(f"lab / {impl}", justify="right")
@@ -288,15 +503,26 @@ def _print(figures: list[Figure], cfg: EngineConfig, device: torch.device, dtype
     table.add_column("note")
     for f in figures:
         row = [f.name, f"{f.ours:,.1f}" if f.ours is not None else "-"]
+        if served:
+            row.append(f"{f.served:,.1f}" if f.served is not None else "-")
+            row.append(f"{f.served / f.ours:.2f}x" if f.served is not None and f.ours else "-")
         for impl in impls:
             ref = f.reference.get(impl)
             row.append(f"{ref:,.1f}" if ref else "-")
             row.append(f"{f.ours / ref:.2f}x" if ref and f.ours else "-")
         row.append(f"{100 * f.floor_fraction:.0f}%" if f.floor_fraction else "-")
-        row.append(f.note)
+        row.append("; ".join(x for x in (f.note, _spread(f.runs), f.served_note and f"served: {f.served_note}",
+                                          _spread(f.served_runs) and f"served {_spread(f.served_runs)}") if x))
         table.add_row(*row)
     console = Console(width=160)
     console.print(table)
     console.print(f"ceilings measured on {ceilings.device}: copy {ceilings.copy_bytes_per_s / 1e9:,.1f} GB/s "
                   f"(read+write), matmul {ceilings.matmul_flops_per_s / 1e12:,.2f} TFLOP/s ({ceilings.dtype}); "
                   "'of floor' = floor time / measured time (bytes for decode, FLOPs for prefill)")
+    if server_log:
+        console.print(f"lab served: the same decode prompts streamed through `lab engine serve` (log {server_log}); "
+                      "batch 1 is per-stream tok/s, the batch figure aggregate tok/s, both timed by the client")
+
+
+def _spread(runs: list[float]) -> str:
+    return f"range {min(runs):,.1f}-{max(runs):,.1f}" if len(runs) > 1 else ""
