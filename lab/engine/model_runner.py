@@ -42,7 +42,8 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
     return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype
 
 
-def make_backends(config: EngineConfig, device: torch.device) -> tuple[AttentionBackend, Ops]:
+def make_backends(config: EngineConfig, device: torch.device,
+                  max_model_len: int | None = None) -> tuple[AttentionBackend, Ops]:
     choice = config.attention_backend
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "torch"
@@ -56,7 +57,7 @@ def make_backends(config: EngineConfig, device: torch.device) -> tuple[Attention
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.triton_attention import TritonAttention
 
-    attention = TritonAttention()
+    attention = TritonAttention(max_model_len=max_model_len)
 
     def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +110,7 @@ class ModelRunner:
         self.model_config = loaded.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        self.attention, ops = make_backends(config, device)
+        self.attention, ops = make_backends(config, device, max_model_len)
         self.model = Model(loaded.config, loaded.weights, self.attention, max_positions=max_model_len, ops=ops)
         self.kv_dtype = kv_cache_dtype(config, dtype)
         self.num_blocks = self._num_blocks()

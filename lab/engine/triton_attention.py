@@ -3,6 +3,8 @@ the PyTorch reference (`lab.engine.attention.TorchAttention`)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 
 from lab.engine.attention import FP8_DTYPES, causal_attention, gather_context
@@ -23,11 +25,18 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None) -> None:
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
+                 max_model_len: int | None = None) -> None:
         self.k_scale = k_scale
         self.v_scale = v_scale
         # None: chosen per step from the decode batch and its longest context.
         self.num_splits = num_splits
+        # Given max_model_len, an eager decode step (CUDA graphs off, or a batch past the largest
+        # graph) sizes its split count by the context bound a graph would be captured at, not by
+        # the exact context: the same split, hence the same sums in the same order, with graphs or
+        # without, so turning graphs off changes no token.
+        self.max_model_len = max_model_len
+        self._bounds: dict[int, list[int]] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -41,7 +50,7 @@ class TritonAttention:
         if num_decodes:
             decode_attention(q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
                              meta.context_lens[:num_decodes], scale, out[:num_decodes],
-                             max_context_len=self._max_decode_context(meta), k_scale=self.k_scale,
+                             max_context_len=self._max_decode_context(meta, k_cache), k_scale=self.k_scale,
                              v_scale=self.v_scale, num_splits=self.num_splits)
         num_prefills = meta.num_seqs - num_decodes
         if 0 < num_prefills <= FEW_PREFILLS:
@@ -108,9 +117,15 @@ class TritonAttention:
             out[start:end] = causal_attention(q[start:end], ki, vi, scale, expand_heads=True)
             start = end
 
-    @staticmethod
-    def _max_decode_context(meta: AttentionMetadata) -> int:
+    def _max_decode_context(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
         # Sizes the split count only. From the host-side lengths, once per step for all layers.
         if "triton_max_decode_context" not in meta.scratch:
-            meta.scratch["triton_max_decode_context"] = max(meta.context_lens_cpu[:meta.num_decodes])
+            context = max(meta.context_lens_cpu[:meta.num_decodes])
+            if self.max_model_len is not None and self.num_splits is None:
+                batch = meta.num_decodes
+                if batch not in self._bounds:
+                    self._bounds[batch] = self.context_bounds(batch, k_cache, self.max_model_len)
+                bounds = self._bounds[batch]
+                context = bounds[min(bisect_left(bounds, context), len(bounds) - 1)]
+            meta.scratch["triton_max_decode_context"] = context
         return meta.scratch["triton_max_decode_context"]

@@ -78,6 +78,18 @@ def test_cuda_graph_decode_matches_eager() -> None:
     assert_close_until_divergence((want_lp, want_ids), top_logprobs(graphed, ps, 8))
 
 
+def test_turning_cuda_graphs_off_changes_no_greedy_token_at_batch_1() -> None:
+    """The eager step sizes its decode split by the graphs' context bound: the same sums in the
+    same order, so a ladder arm that turns graphs off is held to exact agreement."""
+    ps = prompts(4, seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    eager = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", cuda_graphs=False)
+    want = [eager.generate([p], params)[0].token_ids for p in ps]
+    del eager
+    graphed = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", cuda_graphs=True)
+    assert [graphed.generate([p], params)[0].token_ids for p in ps] == want
+
+
 def test_triton_backend_matches_torch_backend_bf16() -> None:
     ps = prompts(5, seed=2)
     torch_path = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", attention_backend="torch",
