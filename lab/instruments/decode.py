@@ -9,7 +9,10 @@ flight while any are waiting.
 Per level (params `{level}`, repeat = run): `agg_tok_s`, every completion token of the level
 (from `usage`) over the wall span from the first request handed over to the last response's end;
 `stream_tok_s`, the mean over streams of (completion tokens - 1) / (last token - first token);
-`ttft_s`, the median time to first token. C1 runs twice, so its cells have repeats 0 and 1: the
+`ttft_s`, the median time to first token; `steady_agg_tok_s`, the tokens that arrived while all C
+streams were decoding at once, over the time they were (the ramp, where prompts queue and
+prefill, and the tail, where streams finish, are left out: what the engine sustains at C, the
+figure an offline decode benchmark at batch C gives). C1 runs twice, so its cells have repeats 0 and 1: the
 KEEP rule's median of two repeats is their mean. Per category: `category_stream_tok_s` with
 params `{level, category}`. Where the engine's `/metrics` counts speculative decoding (vLLM's
 `spec_decode_num_accepted_tokens` and friends), the counters' change over the level gives
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_right
 from collections import defaultdict
 from typing import Any, ClassVar
 
@@ -64,7 +68,8 @@ class DecodeInstrument:
     Params: ClassVar[type[BaseModel]] = DecodeParams
 
     def metrics(self, params: BaseModel) -> dict[str, Better]:
-        return {"agg_tok_s": "higher", "stream_tok_s": "higher", "ttft_s": "lower", "category_stream_tok_s": "higher",
+        return {"agg_tok_s": "higher", "steady_agg_tok_s": "higher", "stream_tok_s": "higher", "ttft_s": "lower",
+                "category_stream_tok_s": "higher",
                 "spec_acceptance": "higher", "spec_tokens_per_step": "higher"}
 
     def plan(self, params: BaseModel) -> list[Step]:
@@ -140,12 +145,42 @@ def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_
     stream_rates = [r.decode_tokens_per_s for r in mine]
     stream = None if None in stream_rates else statistics.fmean(x for x in stream_rates if x is not None)
     ttft = statistics.median((r.ttft_ns or 0) / 1e9 for r in mine)
+    steady, steady_note = steady_agg_tok_s(mine, level)
     return cells + [
         Cell("agg_tok_s", agg, "tok/s", level_params, run, note=note, requests=indexes),
+        Cell("steady_agg_tok_s", steady, "tok/s", level_params, run, valid=steady is not None,
+             note=steady_note, requests=indexes),
         Cell("stream_tok_s", stream, "tok/s", level_params, run, valid=stream is not None,
              note=note if stream is not None else "a stream gave no per-token timing", requests=indexes),
         Cell("ttft_s", ttft, "s", level_params, run, note=note, requests=indexes),
     ]
+
+
+def steady_agg_tok_s(streams: list[Receipt], level: int) -> tuple[float | None, str]:
+    """Tokens per second over the spans in which `level` streams were all between their first and
+    last token, counting the tokens that arrived inside those spans; (None, why) when there was
+    no such span."""
+    events = sorted(ev for r in streams if len(r.token_times_ns) >= 2
+                    for ev in ((r.token_times_ns[0], 1), (r.token_times_ns[-1], -1)))
+    spans: list[tuple[int, int]] = []
+    active, start = 0, 0
+    for t, step in events:  # at a tie an end sorts first: a stream that ends frees its place
+        if active == level and step < 0 and t > start:
+            spans.append((start, t))
+        active += step
+        if active == level:
+            start = t
+    if not spans:
+        return None, f"no moment had all {level} streams decoding at once"
+    tokens = 0
+    for r in streams:
+        times = r.token_times_ns
+        weights = r.chunk_tokens if r.chunk_tokens and len(r.chunk_tokens) == len(times) else [1] * len(times)
+        for lo, hi in spans:
+            first, last = bisect_right(times, lo), bisect_right(times, hi)
+            tokens += sum(weights[first:last])
+    seconds = sum(hi - lo for lo, hi in spans) / 1e9
+    return tokens / seconds, f"{tokens} tokens in {seconds:.3f} s with all {level} streams decoding"
 
 
 def spec_counters(metrics: str | None) -> dict[str, float]:

@@ -7,8 +7,9 @@ import statistics
 
 import pytest
 
-from lab.instruments.decode import DecodeInstrument, DecodeParams, spec_cells, spec_counters
+from lab.instruments.decode import DecodeInstrument, DecodeParams, spec_cells, spec_counters, steady_agg_tok_s
 from lab.instruments.decode_prompts import CATEGORIES
+from lab.instruments.receipt import Receipt
 from tests.instruments.speed_boot import dead_url
 
 MAX_TOKENS = 8
@@ -81,3 +82,29 @@ def test_levels_up_to_c16_on_a_gpu_and_refused_values() -> None:
         DecodeParams(levels=[1, 2, 2])
     with pytest.raises(ValueError, match="greater than or equal to 2"):
         DecodeParams(max_tokens=1)
+
+
+def _stream(times_ms: list[float]) -> Receipt:
+    return Receipt(request_id="r", endpoint="/v1/chat/completions", payload={}, t_queued_ns=0,
+                   token_times_ns=[int(t * 1e6) for t in times_ms])
+
+
+def test_steady_aggregate_counts_only_the_span_with_every_stream_decoding() -> None:
+    # Two streams at 100 tok/s each (a token every 10 ms); the second starts 50 ms late, the first
+    # ends 50 ms early: both decode from 50 to 100 ms, where 10 tokens arrive, 200 tok/s.
+    a = _stream([0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100])
+    b = _stream([50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150])
+    rate, note = steady_agg_tok_s([a, b], 2)
+    assert rate == pytest.approx(200.0)
+    assert note == "10 tokens in 0.050 s with all 2 streams decoding"
+
+
+def test_steady_aggregate_of_one_stream_at_a_time_is_its_decode_rate() -> None:
+    waves = [_stream([0, 10, 20, 30]), _stream([40, 60, 80])]  # 100 then 50 tok/s, one after the other
+    rate, _ = steady_agg_tok_s(waves, 1)
+    assert rate == pytest.approx(5 / 0.070)
+
+
+def test_steady_aggregate_is_none_when_streams_never_all_overlap() -> None:
+    rate, note = steady_agg_tok_s([_stream([0, 10]), _stream([20, 30])], 2)
+    assert rate is None and note == "no moment had all 2 streams decoding at once"
