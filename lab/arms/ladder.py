@@ -117,7 +117,16 @@ class Keep(Strict):
 class Hygiene(Strict):
     min_mem_available_gib: float = Field(1.0, ge=0, description="host MemAvailable needed before each boot")
     mem_wait_s: float = Field(60.0, ge=0, description="how long to wait for it before failing the boot")
-    warmup_boot: bool = Field(False, description="boot the base once first, unmeasured, to warm caches")
+    warmup_boot: Union[bool, list[Name]] = Field(
+        False, description="true: boot the base once first, unmeasured, to warm caches; a list of arm or control "
+                           "names: boot each of those once first, unmeasured (an arm whose change needs caches "
+                           "of its own, such as kernels only it compiles, is otherwise cold on its only boot)")
+
+    def warmup_names(self, first_control: str) -> list[str]:
+        """The arms (or controls) booted once, unmeasured, before the first window."""
+        if self.warmup_boot is True:
+            return [first_control]
+        return list(dict.fromkeys(self.warmup_boot)) if self.warmup_boot else []
 
 
 class InstrumentsBase(Strict):

@@ -136,8 +136,9 @@ def plan(ladder: Ladder) -> Plan:
     for w_index, window in enumerate(ladder.windows):
         control = window.control_name
         arms.append(arm_spec(ladder, window.name, None, control))
-        if w_index == 0 and ladder.hygiene.warmup_boot:
-            slot(control, "warmup", "warmup", None)
+        if w_index == 0:
+            for name in ladder.hygiene.warmup_names(control):
+                slot(name, "warmup", "warmup", None)
         slot(control, "control", "open", window.name)
         for arm in window.arms:
             arms.append(arm_spec(ladder, window.name, arm, control))

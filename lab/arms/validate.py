@@ -148,6 +148,7 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
                 problems.append(Problem(located.line(where), f"arm {arm.name} boots the same config as its control; "
                                                              f"it changes nothing{hint}"))
     problems += _keep(ladder, located)
+    problems += _warmup(ladder, located)
     return problems
 
 
@@ -270,6 +271,17 @@ def _command(engine: CommandEngine, located: Located) -> list[Problem]:
     if "{name}" not in engine.flag_style or "{value}" not in engine.flag_style:
         problems.append(Problem(located.line(("engine", "flag_style")), "flag_style needs {name} and {value}"))
     return problems
+
+
+def _warmup(ladder: Ladder, located: Located) -> list[Problem]:
+    warmup = ladder.hygiene.warmup_boot
+    if isinstance(warmup, bool):
+        return []
+    names = {arm.name for window in ladder.windows for arm in window.arms}
+    names |= {window.control_name for window in ladder.windows}
+    return [Problem(located.line(("hygiene", "warmup_boot", i)),
+                    f"warmup_boot: {name!r} is neither an arm nor a control of this ladder")
+            for i, name in enumerate(warmup) if name not in names]
 
 
 def _keep(ladder: Ladder, located: Located) -> list[Problem]:

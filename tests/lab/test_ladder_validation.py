@@ -96,6 +96,8 @@ INVALID = [
      "'memory' is not in this ladder's instruments"),
     ("KEEP gate nothing produces", GOOD + "  gates:\n    - {metric: memory.nope, min: 1}\n", 14,
      "KEEP metric 'memory.nope'"),
+    ("warm-up of an arm that is not in the ladder", GOOD + "hygiene: {warmup_boot: [A1, A7]}\n", 13,
+     "warmup_boot: 'A7' is neither an arm nor a control of this ladder"),
     ("gate scoped to an arm that is not in the ladder",
      GOOD + "  gates:\n    - {metric: memory.peak_memory_gib, max: 9, arms: [A1, A9]}\n", 14,
      "gate memory.peak_memory_gib: 'A9' is not an arm of this ladder"),

@@ -50,6 +50,13 @@ def test_windows_bracket_each_arm_with_controls_after_one_warmup() -> None:
     ]
 
 
+def test_a_warmup_list_boots_each_named_config_once_before_the_first_window() -> None:
+    p = plan(ladder(BUNDLED.replace("warmup_boot: true", "warmup_boot: [C0ctl, D1]")))
+    assert [(s.arm, s.role, s.window) for s in p.slots[:3]] == [
+        ("C0ctl", "warmup", None), ("D1", "warmup", None), ("C0ctl", "control", "W1")]
+    assert [s.arm for s in p.slots if s.role == "warmup"] == ["C0ctl", "D1"]
+
+
 def test_bundled_arm_is_base_plus_its_change_and_hash_is_the_engines() -> None:
     lad = ladder(BUNDLED)
     p = plan(lad)
