@@ -10,7 +10,8 @@
 #   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs;
 #   lab is `lab run ladders/h200.yaml` end to end (warm-up boot, control, five arms, control), then `lab ls`,
 #   `lab report` and `lab compare` of each arm against the control: the store comes back as lab-h200.db, the
-#   report and the boots' logs as lab-report.tgz (a call of its own: the ladder takes most of ten minutes)
+#   report and the boots' logs as lab-report.tgz, the GPU's power, temperature and clocks through the run as
+#   lab-dmon.txt (a call of its own: the ladder takes most of ten minutes)
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -50,8 +51,12 @@ for stage in $stages; do
     profile) { timeout 120 python3 benchmarks/step_profile.py --kv-cache-dtype fp8;
             timeout 100 python3 benchmarks/step_profile.py; } > "$OUT/step_profile.txt" 2>&1 ;;
     lab) run=h200-$commit
+         # power, temperature and clocks once a second, to set beside each boot's figures
+         nvidia-smi dmon -s pc -d 1 -o DT > "$OUT/lab-dmon.txt" 2>&1 &
+         dmon=$!
          { timeout 555 python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
            echo "lab run exit $?"
+           kill $dmon
            python3 -m lab ls --db "$OUT/lab-h200.db" "$run"
            python3 -m lab report --db "$OUT/lab-h200.db" --out reports "$run"
            for arm in A1nooverlap A2cublas A3fp8kv A4mnbt2k A5nographs; do
