@@ -98,8 +98,6 @@ def _triton_entries(stats: dict) -> int:
     return sum(c.get("entries_added", 0) for c in stats["caches_built"] if c["cache"] == "triton")
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
 # Known gap, measured on an H200 at ac75c68: 14 kernels compiled while serving in both cases. The
 # attention kernels no longer do (the H200 ladder's measured boots, graphs off included, built
 # nothing after ready), but eager decode steps of a batch no graph capture ran (here 5-12 rows,
@@ -109,6 +107,8 @@ EAGER_GAP = pytest.mark.xfail(strict=True, reason="eager decode batches past the
                                                    "skinny-GEMV tiles on first use")
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("graphs", [pytest.param("true", marks=EAGER_GAP), pytest.param("false", marks=EAGER_GAP)])
 def test_gpu_serving_compiles_nothing_after_ready(tmp_path: Path, graphs: str) -> None:
     """Every kernel variant a step can launch is compiled before the engine serves: a burst of
