@@ -15,12 +15,12 @@ log = logging.getLogger("lab.engine")
 def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from lab.engine.llm_engine import LLMEngine
+    from lab.engine.async_engine import build_engine
     from lab.engine.server import Server, build_app
 
     cfg = knobs.from_namespace(ns)
     log.info("effective config %s hash=%s", json.dumps(cfg.to_dict(), sort_keys=True), cfg.hash)
-    engine = LLMEngine(cfg)
+    engine = build_engine(cfg)
     runner = engine.runner
     log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", runner.num_blocks, cfg.block_size,
              runner.num_blocks * cfg.block_size, runner.kv_pool_bytes / 2**20,

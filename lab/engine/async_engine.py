@@ -2,7 +2,14 @@
 streaming never block scheduling and a step never waits on a slow client.
 
 The engine thread owns the LLMEngine: requests and aborts reach it through a queue, and each
-step's outputs go back to the event loop in one call, fanned out to per-request queues."""
+step's outputs go back to the event loop in one call, fanned out to per-request queues.
+
+Build the engine with `build_engine`, not on the thread that will serve HTTP: on the CPU, torch's
+OpenMP runtime (libgomp) keeps a pool of worker threads for every thread that ever ran a parallel
+region, and once its pools hold more threads than the host has cores it stops spinning between
+regions. Each of the few hundred parallel regions of a decode step then waits for its workers to
+be woken from a futex, which made served decode a quarter slower than offline decode (the
+offline engine runs on the one thread that loaded it). A thread that exits frees its pool."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from lab.engine.config import EngineConfig
 from lab.engine.llm_engine import EngineBusyError, LLMEngine
 from lab.engine.output_processor import RequestOutput
 from lab.engine.sampling_params import SamplingParams
@@ -43,6 +51,25 @@ class _Call:
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an unexpected error; the server answers 503."""
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """LLMEngine(config), built on a short-lived thread so that no OpenMP pool outlives the load
+    but the engine thread's (see the module docstring); the load's errors are raised here."""
+    result: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            result["engine"] = LLMEngine(config)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=build, name="engine-build")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["engine"]  # type: ignore[return-value]
 
 
 class AsyncEngine:
