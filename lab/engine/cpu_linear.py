@@ -5,14 +5,17 @@ For products of few rows (decode steps) the BLAS under torch may run the "NN" pr
 depending on the CPU, its ISA and the BLAS build: the same torch wheel gives opposite answers on
 an AMD EPYC and on an Intel Xeon with AVX-512. So at load, for every weight shape of the model and
 every bucket of row counts up to `NARROW_MAX_ROWS`, both are timed on this host (interleaved
-repeats after a warm-up) and the faster is used from then on. The choices are kept in a small
+repeats after a warm-up, over several layers' weights in the model's order so that they come from
+memory as in a decode step) and the faster is used from then on. The choices are kept in a small
 JSON file under the engine's cache root, one per host key (CPU model, ISA flags, torch version,
 torch threads), so later boots on the same host reuse them without measuring.
 
 Each layout's figure is its fastest repeat, not the median: on a host whose cores other processes
 share, a two-thread product waits whenever the OS has lent one of its threads' cores away, which
-adds whole scheduler ticks to products far shorter than one, in most repeats when the host is
-busy. Waiting only ever adds time, so the fastest repeat is the product's own cost.
+adds whole scheduler ticks to products far shorter than one. Waiting only ever adds time, so the
+fastest repeat is the product's own cost. When the host is so busy that the measurement's threads
+spent much of it waiting for a core, no repeat is clean: the figures then serve that boot only
+and are not written, and a later boot measures again.
 
 Both layouts compute the same sums of the same products; only the BLAS's blocking differs, so
 outputs agree with `F.linear` to float rounding.
@@ -41,7 +44,8 @@ NARROW_MAX_ROWS = 64  # past this, F.linear untimed: the narrow product only eve
 ROW_BUCKETS = tuple(1 << i for i in range(NARROW_MAX_ROWS.bit_length()))  # 1, 2, 4, ..., 64: timed at these
 FORMAT = 1  # bump when what a choices file means changes; older files are then re-measured
 REPEATS = 3
-PASS_BYTES = 128 << 20  # weights timed per pass: several times a desktop or small server's last-level cache
+MAX_WAITING_SHARE = 0.1  # a measurement whose threads waited for a core longer is not written (_waiting_share)
+PASS_BYTES = 64 << 20  # layer weights per timed pass: beyond a desktop or small server's last-level cache
 # ISA features that decide which BLAS kernels run; anything else in /proc/cpuinfo does not.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8")
@@ -50,9 +54,10 @@ _builds: list[Path] = []
 
 
 def choice_builds() -> list[Path]:
-    """The choices files this process had to measure for, one entry per load that measured
-    (written, or attempted when the cache root is read-only). A load whose every choice came from
-    the file adds nothing, so comparing the length before and after a load says whether it built."""
+    """The choices files this process had to measure for, one entry per load that measured (and
+    wrote the file, or could not: a read-only cache root, a host too busy to trust the figures). A
+    load whose every choice came from the file adds nothing, so comparing the length before and
+    after a load says whether it built."""
     return list(_builds)
 
 
@@ -111,37 +116,43 @@ def _pass(fn, xs: dict[int, torch.Tensor], products: Sequence[tuple[str, torch.T
         totals[key] += time.perf_counter() - t0
 
 
-def measure(products: Sequence[tuple[str, torch.Tensor]], rows: int,
-            repeats: int = REPEATS) -> dict[str, tuple[float, float]]:
-    """Seconds per call of F.linear and of the narrow product at `rows` rows of input, by shape
-    key: each layout runs through `products` (the model's weights in the order a forward pass
-    multiplies by them) once per repeat, every call timed; per key, the fastest repeat."""
+def measure(products: Sequence[tuple[str, torch.Tensor]], row_counts: Sequence[int], repeats: int = REPEATS,
+            first: int = 0) -> list[dict[str, tuple[float, float]]]:
+    """Seconds per call of F.linear and of the narrow product, for each row count, by shape key:
+    each layout runs through `products` (the model's weights in the order a forward pass
+    multiplies by them) once per repeat and row count, every call timed; per key, the fastest
+    repeat. Each repeat visits every row count in turn, so the repeats of one row count are spread
+    over the whole measurement: a spell in which other processes take a core slows one repeat of
+    each row count, not every repeat of one. `first` numbers the first repeat (which layout leads
+    alternates with the repeat's number)."""
     dtype = products[0][1].dtype
-    xs = {n: torch.randn(rows, n, dtype=dtype) for n in {w.shape[1] for _, w in products}}
+    widths = {w.shape[1] for _, w in products}
+    inputs = [{n: torch.randn(rows, n, dtype=dtype) for n in widths} for rows in row_counts]
     calls = {key: 0 for key, _ in products}
     for key, _ in products:
         calls[key] += 1
-    best: dict[str, list[float]] = {key: [float("inf"), float("inf")] for key in calls}
+    best = [{key: [float("inf"), float("inf")] for key in calls} for _ in row_counts]
     layouts = (F.linear, narrow_linear)
-    for i in range(repeats):
-        # Alternate which goes first, so neither always follows the other's cache footprint.
-        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-            totals = dict.fromkeys(calls, 0.0)
-            _pass(layouts[which], xs, products, totals)
-            for key, total in totals.items():
-                best[key][which] = min(best[key][which], total / calls[key])
-    return {key: (a, b) for key, (a, b) in best.items()}
+    for i in range(first, first + repeats):
+        for xs, fastest in zip(inputs, best):
+            # Alternate which goes first, so neither always follows the other's cache footprint.
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                totals = dict.fromkeys(calls, 0.0)
+                _pass(layouts[which], xs, products, totals)
+                for key, total in totals.items():
+                    fastest[key][which] = min(fastest[key][which], total / calls[key])
+    return [{key: (a, b) for key, (a, b) in fastest.items()} for fastest in best]
 
 
 def measured_products(layers: Sequence[Sequence[torch.Tensor]],
                       tail: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The products to time: layer after layer until, with `tail`, they hold PASS_BYTES of
-    weights (one layer at least), then `tail`. Timing a weight alone would read it from a cache it
-    fits in, where a decode step reads it from memory after every other layer's weights went
-    through; two threads read memory faster than one, so hot-cache figures favour a one-thread
-    product that the real step does not."""
+    """The products to time: layer after layer until they hold PASS_BYTES of weights (one layer
+    at least), then `tail`. Timing one weight again and again would read it from a cache it fits
+    in, where a decode step reads it from memory after every other layer's weights went through;
+    two threads read memory faster than one, so hot-cache figures favour a one-thread product
+    that the real step does not. Several layers also average out each call's noise."""
     products: list[tuple[str, torch.Tensor]] = []
-    held = sum(w.numel() * w.element_size() for w in tail)
+    held = 0
     for layer in layers:
         for w in layer:
             products.append((_shape_key(w), w))
@@ -172,31 +183,64 @@ class CpuLinear:
         """Choices for a model's weight shapes: `layers` holds each layer's weights in the order a
         forward pass multiplies by them, `tail` the products after the last layer (the LM head).
         They come from this host's choices file when it has every shape; otherwise they are
-        measured, a row bucket at a time, and written to it."""
+        measured (`measure`) and written to it, unless the host was too busy to trust them."""
         path = choices_path(root)
         host = host_key()
         stored = _read(path, host)
         unique = {_shape_key(w): w for layer in layers for w in layer}
         unique.update({_shape_key(w): w for w in tail})
         if any(key not in stored for key in unique):
-            t0 = time.perf_counter()
             products = measured_products(layers, tail)
-            measure(products, 2, repeats=1)  # warm-up: first calls pay for allocations and lazy set-up
-            by_rows = [measure(products, rows) for rows in ROW_BUCKETS]
+            measure(products, [2], repeats=1)  # warm-up: first calls pay for allocations and lazy set-up
+            clocks = time.perf_counter(), _waited_s()
+            by_rows = measure(products, ROW_BUCKETS, repeats=1)
+            # A host too busy for the first repeat to mean anything is not worth the other repeats.
+            if _waiting_share(clocks) <= MAX_WAITING_SHARE:
+                more = measure(products, ROW_BUCKETS, repeats=REPEATS - 1, first=1)
+                by_rows = [{key: (min(a[key][0], b[key][0]), min(a[key][1], b[key][1])) for key in a}
+                           for a, b in zip(by_rows, more)]
+            wall, waiting = time.perf_counter() - clocks[0], _waiting_share(clocks)
             for key in unique:
                 stored[key] = [{"rows": rows, "linear_us": round(1e6 * t[key][0], 2),
                                 "narrow_us": round(1e6 * t[key][1], 2), "narrow": t[key][1] < t[key][0]}
                                for rows, t in zip(ROW_BUCKETS, by_rows)]
-            log.info("measured F.linear against the narrow product for %d weight shapes in %.2f s on this host "
-                     "(%s); choices in %s", len(unique), time.perf_counter() - t0, host["cpu"], path)
             _builds.append(path)
-            _write(path, host, stored)
+            if waiting > MAX_WAITING_SHARE:
+                log.warning("the host was busy while measuring F.linear against the narrow product (this "
+                            "process's threads waited for a core %.0f%% of the time): using the choices for this "
+                            "boot only; a later boot measures again", 100 * waiting)
+            else:
+                log.info("measured F.linear against the narrow product for %d weight shapes in %.2f s on this "
+                         "host (%s; threads waited for a core %.0f%% of the time); choices in %s", len(unique),
+                         wall, host["cpu"], 100 * waiting, path)
+                _write(path, host, stored)
         narrow = {}
         for key, w in unique.items():
             narrow[tuple(w.shape)] = tuple(bool(entry["narrow"]) for entry in stored[key])
             log.debug("cpu linear %s: narrow product at rows %s", key,
                       [r for r, n in zip(ROW_BUCKETS, narrow[tuple(w.shape)]) if n])
         return cls(narrow)
+
+
+def _waited_s() -> float:
+    """Seconds this process's threads have spent runnable but waiting for a core (Linux
+    schedstat); 0 where the kernel does not say."""
+    total = 0
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with open(os.path.join(task.path, "schedstat")) as f:
+                total += int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return total / 1e9
+
+
+def _waiting_share(since: tuple[float, float]) -> float:
+    """Time this process's threads waited for a core since `since` (perf_counter, `_waited_s`),
+    over torch's threads x the wall time. Figures measured while other processes held the cores
+    are the host's load, not the products', and must not outlive the boot."""
+    wall = time.perf_counter() - since[0]
+    return (_waited_s() - since[1]) / max(1e-9, wall * torch.get_num_threads())
 
 
 def _read(path: Path, host: dict[str, object]) -> dict[str, list[dict]]:

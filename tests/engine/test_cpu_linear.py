@@ -10,8 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lab.engine import cpu_linear
 from lab.engine.cpu_linear import (NARROW_MAX_ROWS, ROW_BUCKETS, CpuLinear, choice_builds, choices_path, host_key,
                                    narrow_linear)
+
+
+@pytest.fixture(autouse=True)
+def quiet_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Treat the host as quiet whatever else runs on it, so the figures are written."""
+    monkeypatch.setattr(cpu_linear, "MAX_WAITING_SHARE", float("inf"))
 
 
 def small_model() -> tuple[list[tuple[torch.Tensor, ...]], list[torch.Tensor]]:
@@ -98,6 +105,19 @@ def test_an_unwritable_cache_root_only_warns(tmp_path: Path, caplog: pytest.LogC
     assert any("could not write" in r.getMessage() for r in caplog.records)
     x = torch.randn(3, 64)
     torch.testing.assert_close(op(x, head[0]), F.linear(x, head[0]))
+
+
+def test_figures_measured_on_a_busy_host_serve_the_boot_but_are_not_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(cpu_linear, "MAX_WAITING_SHARE", -1.0)  # any time waiting for a core is too much
+    caplog.set_level(logging.WARNING, logger="lab.engine.cpu_linear")
+    layers, head = small_model()
+    before = len(choice_builds())
+    op = CpuLinear.for_model(layers, head, root=tmp_path)
+    assert len(choice_builds()) == before + 1
+    assert not choices_path(tmp_path).exists()
+    assert set(op.narrow) == {(96, 64), (64, 64), (256, 64), (64, 128), (512, 64)}
+    assert any("busy" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 33, NARROW_MAX_ROWS, NARROW_MAX_ROWS + 1, 200])
