@@ -51,6 +51,9 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8")
 
 _builds: list[Path] = []
+# Choices this process measured but did not write, by choices file: its later loads use the same
+# layouts rather than measuring again, so two engines in one process compute the same sums.
+_unwritten: dict[Path, dict[str, list[dict]]] = {}
 
 
 def choice_builds() -> list[Path]:
@@ -186,7 +189,7 @@ class CpuLinear:
         measured (`measure`) and written to it, unless the host was too busy to trust them."""
         path = choices_path(root)
         host = host_key()
-        stored = _read(path, host)
+        stored = {**_read(path, host), **_unwritten.get(path, {})}
         unique = {_shape_key(w): w for layer in layers for w in layer}
         unique.update({_shape_key(w): w for w in tail})
         if any(key not in stored for key in unique):
@@ -205,6 +208,7 @@ class CpuLinear:
                                 "narrow_us": round(1e6 * t[key][1], 2), "narrow": t[key][1] < t[key][0]}
                                for rows, t in zip(ROW_BUCKETS, by_rows)]
             _builds.append(path)
+            written = False
             if waiting > MAX_WAITING_SHARE:
                 log.warning("the host was busy while measuring F.linear against the narrow product (this "
                             "process's threads waited for a core %.0f%% of the time): using the choices for this "
@@ -213,7 +217,9 @@ class CpuLinear:
                 log.info("measured F.linear against the narrow product for %d weight shapes in %.2f s on this "
                          "host (%s; threads waited for a core %.0f%% of the time); choices in %s", len(unique),
                          wall, host["cpu"], 100 * waiting, path)
-                _write(path, host, stored)
+                written = _write(path, host, stored)
+            if not written:
+                _unwritten.setdefault(path, {}).update({key: stored[key] for key in unique})
         narrow = {}
         for key, w in unique.items():
             narrow[tuple(w.shape)] = tuple(bool(entry["narrow"]) for entry in stored[key])
@@ -270,9 +276,9 @@ def _read(path: Path, host: dict[str, object]) -> dict[str, list[dict]]:
         return {}
 
 
-def _write(path: Path, host: dict[str, object], shapes: dict[str, list[dict]]) -> None:
-    """Replace the file whole (temporary file, then rename); a failure only costs a later boot
-    the measurement again."""
+def _write(path: Path, host: dict[str, object], shapes: dict[str, list[dict]]) -> bool:
+    """Replace the file whole (temporary file, then rename); False when that failed, which only
+    costs a later boot the measurement again."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
@@ -285,3 +291,5 @@ def _write(path: Path, host: dict[str, object], shapes: dict[str, list[dict]]) -
             raise
     except OSError as exc:
         log.warning("could not write the CPU linear choices %s (%s); the next boot will measure again", path, exc)
+        return False
+    return True

@@ -118,6 +118,10 @@ def test_figures_measured_on_a_busy_host_serve_the_boot_but_are_not_written(
     assert not choices_path(tmp_path).exists()
     assert set(op.narrow) == {(96, 64), (64, 64), (256, 64), (64, 128), (512, 64)}
     assert any("busy" in r.getMessage() for r in caplog.records)
+    # A second load in the same process keeps this one's layouts rather than measuring anew.
+    again = CpuLinear.for_model(layers, head, root=tmp_path)
+    assert again.narrow == op.narrow
+    assert len(choice_builds()) == before + 1
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 33, NARROW_MAX_ROWS, NARROW_MAX_ROWS + 1, 200])
