@@ -122,7 +122,7 @@ def test_no_5xx_under_fuzzing(tmp_path) -> None:
         statuses = {status for _, status in seen}
         assert {200, 400} <= statuses, statuses  # both accepted and refused requests were drawn
         ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3,
-                                                             "temperature": 0})
+                                                             "temperature": 0}, timeout=60)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
 
 
@@ -130,7 +130,8 @@ def test_no_5xx_under_fuzzing_on_dummy_weights(tmp_path) -> None:
     with engine_server(tmp_path, "--model", "dummy:smollm2-135m", "--max-model-len", "512") as server:
         statuses = {status for _, status in fuzz(server, DUMMY_EXAMPLES, ROUTES)}
         assert {200, 400} <= statuses, statuses
-        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+                        timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
 
