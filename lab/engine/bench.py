@@ -22,6 +22,8 @@ the hand-off between the engine thread and the event loop."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import json
 import logging
@@ -196,6 +198,9 @@ def hf_decode_tok_s(model, prompts: list[list[int]], new_tokens: int, device: to
 
 # -- the engine through its server ------------------------------------------------------------
 
+_PR_SET_PDEATHSIG = 1  # prctl option, from <linux/prctl.h>
+
+
 class ServerError(RuntimeError):
     """The served engine did not come up, died, or answered a request with an error."""
 
@@ -228,7 +233,8 @@ def _last_line(path: Path) -> str:
 def served_engine(cfg: EngineConfig, log_path: Path, timeout_s: float) -> Iterator[str]:
     """`python -m lab.engine serve` with `cfg` on a free loopback port, in its own process group,
     output to `log_path`; yields its base URL once /health answers and its config hash is `cfg`'s.
-    Stopped (SIGTERM, then SIGKILL) on the way out, whatever happened."""
+    Stopped (SIGTERM, then SIGKILL) on the way out, whatever happened; sent SIGTERM by the kernel
+    if the bench itself is killed."""
     port = _free_port()
     argv = [sys.executable, "-m", "lab.engine", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "warning", *engine_flags(cfg)]
@@ -236,7 +242,7 @@ def served_engine(cfg: EngineConfig, log_path: Path, timeout_s: float) -> Iterat
     log.info("booting the served engine on %s, output in %s", url, log_path)
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_stop_with_parent)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -257,6 +263,16 @@ def served_engine(cfg: EngineConfig, log_path: Path, timeout_s: float) -> Iterat
         yield url
     finally:
         _stop(proc)
+
+
+def _stop_with_parent() -> None:
+    """In the served engine's process before it runs: SIGTERM when the bench dies, so a bench that
+    is killed (no `finally` runs on SIGKILL or an unhandled SIGTERM) leaves no engine behind."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the `finally` of served_engine is then the only guard
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -32,15 +33,24 @@ def served_port(stderr: str) -> int:
     return int(match.group(1))
 
 
-def assert_stopped(port: int) -> None:
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+def engine_pids(port: int) -> list[int]:
+    """Live (not zombie) engine servers on `port`."""
+    pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
             continue
-        assert not (b"serve" in argv and str(port).encode() in argv), f"engine on port {port} still runs: {argv}"
+        if b"serve" in argv and str(port).encode() in argv and state != "Z":
+            pids.append(int(pid))
+    return pids
+
+
+def assert_stopped(port: int) -> None:
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    assert not engine_pids(port), f"an engine on port {port} still runs"
 
 
 def test_served_bench_prints_offline_and_served_figures_and_stops_its_server(smollm2_gguf: Path,
@@ -66,3 +76,31 @@ def test_a_served_engine_that_is_not_ready_in_time_is_a_one_line_error_and_is_st
     [line] = [x for x in done.stderr.splitlines() if x.startswith("lab engine bench: error:")]
     assert "did not answer /health in" in line
     assert_stopped(served_port(done.stderr))
+
+
+def test_a_killed_bench_leaves_no_served_engine(smollm2_gguf: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAB_ENGINE_")}
+    err = tmp_path / "bench.err"
+    with open(err, "w") as out:
+        bench_proc = subprocess.Popen([sys.executable, "-m", "lab.engine", "bench", *TINY, "--log-level", "info",
+                                       "--served"], stdout=subprocess.DEVNULL, stderr=out, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 600
+        while not (found := re.search(r"booting the served engine on http://127\.0\.0\.1:(\d+)", err.read_text())):
+            assert bench_proc.poll() is None, err.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the bench never booted its engine"
+            time.sleep(0.2)
+        port = int(found.group(1))
+        while not engine_pids(port):
+            assert bench_proc.poll() is None, err.read_text()[-2000:]
+            time.sleep(0.05)
+        bench_proc.kill()  # SIGKILL: none of the bench's own cleanup runs
+        bench_proc.wait()
+        deadline = time.monotonic() + 30
+        while engine_pids(port):
+            assert time.monotonic() < deadline, "the served engine outlived its bench"
+            time.sleep(0.2)
+    finally:
+        if bench_proc.poll() is None:
+            bench_proc.kill()
+            bench_proc.wait()
