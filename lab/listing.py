@@ -40,7 +40,8 @@ def print_runs(console: Console, store: Store) -> None:
 def print_run(console: Console, store: Store, ref: str) -> None:
     run = reader.find_run(store, ref)
     console.print(f"[bold]{run.name}[/] (id {run.id}) · ladder {run.ladder_name} sha256 {run.ladder_sha256[:12]} · "
-                  f"{run.engine_kind} engine · {_status(run.status)} · logs {run.logs_dir}")
+                  f"{run.engine_kind} engine · {_status(run.status)}"
+                  + (f" ({escape(run.reason)})" if run.reason else "") + f" · logs {run.logs_dir}")
     arms = Table("arm", "window", "role", "change", "config hash", title="arms", title_justify="left")
     for arm in reader.arms(store, run.id):
         arms.add_row(arm.name, arm.window, arm.role, escape(_change(arm.change)), arm.config_hash)

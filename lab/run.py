@@ -69,7 +69,22 @@ def create(store: Store, ladder_path: str | Path, name: str | None = None, runs_
 
 
 def execute(store: Store, run: m.Run, console: Console) -> Outcome:
-    """Boot every pending slot of the run in order; marks the run done, or interrupted on Ctrl-C/SIGTERM."""
+    """Boot every pending slot of the run in order; marks the run done, interrupted on Ctrl-C/SIGTERM,
+    or failed with the reason when an exception ends it."""
+    try:
+        return _execute(store, run, console)
+    except RunError:
+        raise  # refused before it started (another process owns it, another plan): nothing to mark
+    except Exception as exc:
+        # A bug or an exhausted host, not a request to stop: say so in the store, never "running".
+        reason = _one_line(exc)
+        log.exception("run %s failed", run.name)
+        writer.set_run_status(store, run.id, "failed", reason)
+        raise RunError(f"run {run.name} failed: {reason}; `lab run --resume {run.name}` retries what is "
+                       "left") from exc
+
+
+def _execute(store: Store, run: m.Run, console: Console) -> Outcome:
     ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
     plan = render.plan(ladder)
     slots = reader.slots(store, run.id)
@@ -105,12 +120,19 @@ def execute(store: Store, run: m.Run, console: Console) -> Outcome:
         except (Interrupted, KeyboardInterrupt):
             writer.set_run_status(store, run.id, "interrupted")
             raise Interrupted(run.name) from None
+        except Exception:
+            raise  # execute() records it as the run's failure
         except BaseException:
             writer.set_run_status(store, run.id, "interrupted")
             raise
         progress.update(task, description="finished")
     writer.set_run_status(store, run.id, "done")
     return outcome
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
 
 
 def resume(store: Store, ref: str) -> m.Run:

@@ -104,8 +104,8 @@ class Gate(MetricRef):
 class Keep(Strict):
     """Data for `lab.keep.KeepRule`: directions come from the instruments' declared metrics."""
 
-    threshold_pct: float = Field(2.0, ge=0)
-    max_drift_pct: float | None = Field(None, ge=0, description="controls further apart void the window; "
+    threshold_pct: float = Field(2.0, ge=0, allow_inf_nan=False)
+    max_drift_pct: float | None = Field(None, ge=0, allow_inf_nan=False, description="controls further apart void the window; "
                                                                 "default threshold_pct")
     metrics: list[Union[str, MetricRef]] = Field(default_factory=list, description="key metrics, <instrument>.<metric>")
     gates: list[Gate] = Field(default_factory=list)
@@ -115,8 +115,8 @@ class Keep(Strict):
 
 
 class Hygiene(Strict):
-    min_mem_available_gib: float = Field(1.0, ge=0, description="host MemAvailable needed before each boot")
-    mem_wait_s: float = Field(60.0, ge=0, description="how long to wait for it before failing the boot")
+    min_mem_available_gib: float = Field(1.0, ge=0, allow_inf_nan=False, description="host MemAvailable needed before each boot")
+    mem_wait_s: float = Field(60.0, ge=0, allow_inf_nan=False, description="how long to wait for it before failing the boot")
     warmup_boot: Union[bool, list[Name]] = Field(
         False, description="true: boot the base once first, unmeasured, to warm caches; a list of arm or control "
                            "names: boot each of those once first, unmeasured (an arm whose change needs caches "

@@ -20,7 +20,8 @@ from pydantic import ValidationError
 from lab.arms import render
 from lab.arms.errors import LadderError, Problem
 from lab.arms.ladder import BundledEngine, CommandEngine, Ladder
-from lab.arms.yaml_lines import Located, load
+from lab.arms import runnable
+from lab.arms.yaml_lines import MAX_BYTES, Located, dotted, load
 from lab.engine import config as engine_config
 from lab.instruments import REGISTRY
 from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
@@ -28,17 +29,37 @@ from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def load_ladder(path: str | Path) -> tuple[Ladder, str]:
-    """The validated ladder and its exact text; raises LadderError."""
+def load_ladder(path: str | Path, host: runnable.Host | None = None) -> tuple[Ladder, str]:
+    """The validated ladder and its exact text, checked as a ladder about to run on `host` (this
+    one when not given: its memory); raises LadderError."""
     path = Path(path)
+    label = str(path)
     try:
-        text = path.read_text()
+        size = path.stat().st_size
+        if size > MAX_BYTES:  # refused before it is read: a ladder is never this large
+            raise LadderError(label, [Problem(0, f"the file is {size:,} bytes; a ladder may be at most {MAX_BYTES:,}")])
+        raw = path.read_bytes()
     except OSError as exc:
-        raise LadderError(str(path), [Problem(0, f"cannot read it: {exc.strerror}")]) from None
-    return parse_ladder(text, str(path)), text
+        raise LadderError(label, [Problem(0, f"cannot read it: {exc.strerror}")]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise LadderError(label, [Problem(line, f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as "
+                                                "UTF-8")]) from None
+    ladder, located = _parse(text, label)
+    problems = runnable.problems(ladder, located, host or runnable.Host.this())
+    if problems:
+        raise LadderError(label, problems)
+    return ladder, text
 
 
 def parse_ladder(text: str, label: str) -> Ladder:
+    """The ladder in `text`, well formed and consistent; `load_ladder` also checks it can run here."""
+    return _parse(text, label)[0]
+
+
+def _parse(text: str, label: str) -> tuple[Ladder, Located]:
     located, problems = load(text)
     if located is None:
         raise LadderError(label, problems)
@@ -52,7 +73,7 @@ def parse_ladder(text: str, label: str) -> Ladder:
     problems += _rules(ladder, located)
     if problems:
         raise LadderError(label, problems)
-    return ladder
+    return ladder, located
 
 
 def _schema_problems(exc: ValidationError, located: Located) -> list[Problem]:
@@ -63,11 +84,11 @@ def _schema_problems(exc: ValidationError, located: Located) -> list[Problem]:
     problems = []
     for path, errors in grouped.items():
         first = errors[0]
-        where = _dotted(path)
+        where = dotted(path)
         if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
             tag = str(first["ctx"].get("discriminator", "")).strip("'")
             expected = str(first["ctx"].get("expected_tags", "")).replace("'", "")
-            problems.append(Problem(located.line(path + (tag,)), f"{_dotted(path + (tag,))} must be one of {expected}"))
+            problems.append(Problem(located.line(path + (tag,)), f"{dotted(path + (tag,))} must be one of {expected}"))
             continue
         if first["type"] == "missing":
             field = first["loc"][-1]
@@ -78,7 +99,7 @@ def _schema_problems(exc: ValidationError, located: Located) -> list[Problem]:
             if path[:1] == ("instruments",) and len(path) == 2:
                 reason = f"unknown instrument {path[1]!r} (registered: {', '.join(sorted(REGISTRY))})"
             else:
-                reason = f"unknown key {path[-1]!r} in {_dotted(path[:-1]) or 'the ladder'}"
+                reason = f"unknown key {path[-1]!r} in {dotted(path[:-1]) or 'the ladder'}"
             problems.append(Problem(located.line(path), reason))
             continue
         messages = list(dict.fromkeys(e["msg"] for e in errors))
@@ -109,13 +130,6 @@ def _data_path(data: Any, loc: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(path)
 
 
-def _dotted(path: Sequence[Any]) -> str:
-    text = ""
-    for part in path:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
 def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     problems = _names(ladder, located)
     engine = ladder.engine
@@ -140,8 +154,9 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
             if base is None or arm_problems:
                 continue
             cfg = _arm_config(ladder, arm, where, located, problems)
-            # Variables outside the engine's knobs (PYTORCH_CUDA_ALLOC_CONF) change the process, not its config.
-            same_env = render.merged(ladder, arm)[1] == render.merged(ladder, None)[1]
+            # Variables outside the engine's knobs (PYTORCH_CUDA_ALLOC_CONF) change the process, not its
+            # config; a LAB_ENGINE_* variable is in the config already, so it counts only there.
+            same_env = _process_env(ladder, arm) == _process_env(ladder, None)
             if cfg == base and same_env and (arm.flags or arm.env):
                 bundled_env = arm.env and isinstance(engine, BundledEngine)
                 hint = " (flags override LAB_ENGINE_* variables)" if bundled_env else ""
@@ -150,6 +165,13 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     problems += _keep(ladder, located)
     problems += _warmup(ladder, located)
     return problems
+
+
+def _process_env(ladder: Ladder, arm: Any) -> dict[str, str]:
+    env = render.merged(ladder, arm)[1]
+    if isinstance(ladder.engine, BundledEngine):
+        return {k: v for k, v in env.items() if not k.startswith(engine_config.ENV_PREFIX)}
+    return env
 
 
 def _names(ladder: Ladder, located: Located) -> list[Problem]:
@@ -304,7 +326,7 @@ def _keep(ladder: Ladder, located: Located) -> list[Problem]:
                                           f"produces {', '.join(sorted(produced[instrument]))})"))
         elif random_weights and _needs_real_weights(instrument):
             *others, last = sorted(n for n in REGISTRY if not _needs_real_weights(n))
-            problems.append(Problem(line, f"{_dotted(where[:3])}: {metric} means nothing on random weights "
+            problems.append(Problem(line, f"{dotted(where[:3])}: {metric} means nothing on random weights "
                                           f"({random_weights}): their answers carry no knowledge to score; "
                                           f"key on {', '.join(others)} or {last} instead"))
     arms = {arm.name for window in ladder.windows for arm in window.arms}

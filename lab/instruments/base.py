@@ -107,3 +107,8 @@ class Instrument(Protocol):
 
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         """Run one step against the engine. Raising marks the step as errored; the boot goes on."""
+
+    # Optional, read by the ladder validator without running anything (an instrument without them
+    # is not checked on these points):
+    #   cell_params(params) -> {metric: [params of each cell it stores per boot, repeats aside]}
+    #   prompt_tokens(params) -> {ladder field: the most tokens (prompt + output) one request holds}

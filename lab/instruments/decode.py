@@ -39,6 +39,8 @@ from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import failure
 
 C1_RUNS = 2
+# A bound on the chat-templated decode prompts' length, for checking a ladder against a context.
+DECODE_PROMPT_TOKENS = 256
 MAX_LEVEL = 256  # the streaming client's connection pool
 # vLLM's counter names without the `vllm:` prefix and `_total` suffix.
 SPEC_COUNTERS = {"accepted": "spec_decode_num_accepted_tokens", "drafted": "spec_decode_num_draft_tokens",
@@ -75,6 +77,18 @@ class DecodeInstrument:
     def plan(self, params: BaseModel) -> list[Step]:
         assert isinstance(params, DecodeParams)
         return [Step(f"C{c}", {"level": c}) for c in params.levels]
+
+    def cell_params(self, params: BaseModel) -> dict[str, list[dict[str, Any]]]:
+        assert isinstance(params, DecodeParams)
+        levels = [{"level": c} for c in params.levels]
+        # Every level sends at least one prompt of each category (see _payloads).
+        by_category = [{"level": c, "category": name} for c in params.levels for name in CATEGORIES]
+        return {"agg_tok_s": levels, "steady_agg_tok_s": levels, "stream_tok_s": levels, "ttft_s": levels,
+                "category_stream_tok_s": by_category, "spec_acceptance": levels, "spec_tokens_per_step": levels}
+
+    def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
+        assert isinstance(params, DecodeParams)
+        return {"max_tokens": params.max_tokens + DECODE_PROMPT_TOKENS}
 
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params

@@ -39,6 +39,9 @@ class MemoryInstrument:
     def plan(self, params: BaseModel) -> list[Step]:
         return [Step("snapshot")]
 
+    def cell_params(self, params: BaseModel) -> dict[str, list[dict[str, Any]]]:
+        return {metric: [{}] for metric in self.metrics(params)}
+
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         receipt = await _get_stats(ctx)
         floor = ctx.mem.floor_bytes()

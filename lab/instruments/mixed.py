@@ -55,6 +55,13 @@ class MixedInstrument:
         assert isinstance(params, MixedParams)
         return [Step(f"rep={r}", {"rep": r}) for r in range(params.reps)]
 
+    def cell_params(self, params: BaseModel) -> dict[str, list[dict[str, Any]]]:
+        return {metric: [{}] for metric in self.metrics(params)}
+
+    def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
+        assert isinstance(params, MixedParams)
+        return {"long_tokens": params.long_tokens + 1}
+
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params
         assert isinstance(params, MixedParams)

@@ -91,6 +91,15 @@ class NeedleInstrument:
                  for r in range(params.reps_at_longest if n == longest else 1)]
         return [*steps, Step(SUMMARY_KEY, {"cells": len(steps)})]
 
+    def cell_params(self, params: BaseModel) -> dict[str, list[dict[str, Any]]]:
+        assert isinstance(params, NeedleParams)
+        grid = [{"length": n, "depth": d} for n in params.lengths for d in params.depths]
+        return {"found": grid, "prefill_tok_s": grid, "found_rate": [{}]}
+
+    def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
+        assert isinstance(params, NeedleParams)
+        return {"lengths": max(params.lengths) + params.answer_tokens}
+
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         if step.key == SUMMARY_KEY:
             return self._summary(ctx, step.params["cells"])

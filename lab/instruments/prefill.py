@@ -58,6 +58,15 @@ class PrefillInstrument:
         assert isinstance(params, PrefillParams)
         return [Step(f"length={n}", {"length": n}) for n in params.lengths]
 
+    def cell_params(self, params: BaseModel) -> dict[str, list[dict[str, Any]]]:
+        assert isinstance(params, PrefillParams)
+        lengths = [{"length": n} for n in params.lengths]
+        return {metric: lengths for metric in self.metrics(params)}
+
+    def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
+        assert isinstance(params, PrefillParams)
+        return {"lengths": max(params.lengths) + 1}
+
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params
         assert isinstance(params, PrefillParams)

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -91,8 +91,24 @@ def _create_tables(store: Store, attempts: int = 8) -> None:
     for attempt in range(attempts):
         try:
             Base.metadata.create_all(store.engine)
+            _add_new_columns(store)
             return
         except OperationalError as exc:
-            if "already exists" not in str(exc) or attempt == attempts - 1:
+            raced = "already exists" in str(exc) or "duplicate column" in str(exc)
+            if not raced or attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
+
+
+def _add_new_columns(store: Store) -> None:
+    """Nullable columns added to a table since a store was created (run.reason): added in place,
+    so a store written by an earlier lab stays readable and writable, and that lab can still read it."""
+    existing = inspect(store.engine)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"] for c in existing.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in have or not column.nullable:
+                continue
+            kind = column.type.compile(dialect=store.engine.dialect)
+            with store.engine.begin() as connection:
+                connection.execute(text(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'))

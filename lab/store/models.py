@@ -34,7 +34,8 @@ class Run(Base):
     ladder_sha256: Mapped[str] = mapped_column(String(64))
     engine_kind: Mapped[str] = mapped_column(String(16))
     logs_dir: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(16))  # running | done | interrupted
+    status: Mapped[str] = mapped_column(String(16))  # running | done | interrupted | failed
+    reason: Mapped[str | None] = mapped_column(Text)  # why it failed: the exception, in one line
     # The `lab run` process working on it, so a second `--resume` cannot stop engines a live run owns.
     owner_pid: Mapped[int | None]
     owner_started: Mapped[float | None] = mapped_column(Float)

@@ -63,10 +63,11 @@ def claim_run(store: Store, run_id: int, pid: int, started: float | None) -> Non
         run.owner_pid, run.owner_started = pid, started
 
 
-def set_run_status(store: Store, run_id: int, status: str) -> None:
+def set_run_status(store: Store, run_id: int, status: str, reason: str | None = None) -> None:
     with store.session() as s, s.begin():
         run = s.get_one(m.Run, run_id)
         run.status = status
+        run.reason = reason
         run.finished_at = now() if status == "done" else None
 
 

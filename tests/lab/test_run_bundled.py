@@ -100,7 +100,8 @@ def test_boot_whose_config_differs_from_the_arm_is_refused(tmp_path: Path, lab) 
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import os\nos.environ['LAB_ENGINE_MAX_NUM_SEQS'] = '7'\n")
-    ladder = textwrap.dedent(LADDER).replace("    arms:\n      - {name: A1seqs4, flags: {max-num-seqs: 4}}\n", "")
+    # The arm changes a knob the variable does not set, so its boot is refused too.
+    ladder = textwrap.dedent(LADDER).replace("{name: A1seqs4, flags: {max-num-seqs: 4}}", "{name: A1, flags: {seed: 1}}")
     ladder = ladder.replace("  ping: {steps: 3, delay_s: 0.3}\n", "").replace(
         "kv-cache-memory-bytes: 67108864}\n", f"kv-cache-memory-bytes: 67108864}}\n  env: {{PYTHONPATH: {site}}}\n")
     (tmp_path / "tiny.yaml").write_text(ladder)
@@ -110,7 +111,7 @@ def test_boot_whose_config_differs_from_the_arm_is_refused(tmp_path: Path, lab) 
         boots = s.scalars(select(m.Boot)).all()
         booted = engine_config.from_sources({**BASE_FLAGS, "model": "smollm2-135m"},
                                             {"LAB_ENGINE_MAX_NUM_SEQS": "7"}).hash
-        assert [b.status for b in boots] == ["refused", "refused"]  # and the ladder went on to the next boot
+        assert [b.status for b in boots] == ["refused"] * 3  # and the ladder went on to the next boot
         assert boots[0].reason == f"booted config hash {booted} != expected {expected_hash()}"
         assert boots[0].engine_stats["config"]["max_num_seqs"] == 7
         assert not s.scalars(select(m.Cell)).all()

@@ -1,0 +1,137 @@
+"""Ladders that would crash, hang or waste the lab are refused before anything boots, each with one
+`file:line: reason`; a run that an exception ends anyway is stored as failed, with the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from lab.arms.errors import LadderError
+from lab.arms.runnable import Host
+from lab.arms.validate import load_ladder
+from lab.store import models as m
+from tests.lab.conftest import stub_ladder
+
+GOOD = """\
+name: t
+engine:
+  kind: bundled
+  model: dummy:tiny
+  flags: {device: cpu}
+windows:
+  - name: W1
+    arms:
+      - {name: A1, flags: {max-num-seqs: 4}}
+instruments:
+  decode: {levels: [1, 2]}
+  prefill: {lengths: [256]}
+  memory:
+keep:
+  metrics:
+    - {metric: decode.agg_tok_s, where: {level: 2}}
+hygiene: {min_mem_available_gib: 1}
+"""
+ARM = "      - {name: A1, flags: {max-num-seqs: 4}}\n"
+WHERE = "{metric: decode.agg_tok_s, where: {level: 2}}"
+HOST = Host(mem_total_bytes=16 * 1024**3)
+
+
+def variant(old: str, new: str) -> str:
+    assert old in GOOD
+    return GOOD.replace(old, new)
+
+
+def bomb(kind: str) -> str:
+    """Billion laughs: nine levels of nine aliases each, 9**9 values once expanded."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for level in range(1, 10):
+        refs = ", ".join([f"*l{level - 1}"] * 9)
+        lines.append(f"l{level}: &l{level} [{refs}]" if kind == "list" else
+                     f"l{level}: &l{level} {{{', '.join(f'k{i}: *l{level - 1}' for i in range(9))}}}")
+    return GOOD + "\n".join(lines) + "\n"
+
+
+# (case, file bytes, line, words the reason must contain)
+REFUSED: list[tuple[str, bytes, int, str]] = [
+    ("not UTF-8", variant("name: t", "name: t\ndescription: caf\xe9").encode("latin-1"), 2, "not UTF-8"),
+    ("alias bomb of lists", bomb("list").encode(), 23, "expands to more than 100,000 values"),
+    ("alias bomb of mappings", bomb("map").encode(), 23, "expands to more than 100,000 values"),
+    ("alias that contains itself", (GOOD + "loop: &loop [*loop]\n").encode(), 18, "contains it"),
+    ("5,000 levels deep", (GOOD + "deep: " + "[" * 5000 + "]" * 5000 + "\n").encode(), 18, "nest deeper than 32"),
+    ("too large", (GOOD + "#" * (1 << 20) + "\n").encode(), 0, "a ladder may be at most"),
+    ("window with no arms", variant("    arms:\n" + ARM, "    arms: []\n").encode(), 7, "window W1 has no arms"),
+    ("prefill length beyond the context", variant("[256]", "[9000]").encode(), 12,
+     "a request of 9,001 tokens does not fit the context of 2,048 that the base engine boots with"),
+    ("prefill length beyond an arm's context", variant(ARM, "      - {name: A1, flags: {max-model-len: 512}}\n")
+     .replace("[256]", "[1024]").encode(), 12, "a request of 1,025 tokens does not fit the context of 512 that arm A1"),
+    ("absurd prefill length on an engine of unknown context",
+     variant("  model: dummy:tiny\n", "  model: /models/x.gguf\n").replace("[256]", "[1000000000]").encode(), 12,
+     "a request of 1,000,000,001 tokens needs about 93 GiB in the lab to build"),
+    ("infinite drift limit", variant("  metrics:\n", "  max_drift_pct: .inf\n  metrics:\n").encode(), 15, "keep.max_drift_pct: Input should be"),
+    ("infinite threshold", variant("  metrics:\n", "  threshold_pct: .inf\n  metrics:\n").encode(), 15, "keep.threshold_pct: Input should be"),
+    ("NaN threshold", variant("  metrics:\n", "  threshold_pct: .nan\n  metrics:\n").encode(), 15, "keep.threshold_pct: Input should be"),
+    ("arm whose variable is the control's value",
+     variant(ARM, "      - {name: A1, env: {LAB_ENGINE_SEED: '0'}}\n").encode(), 9, "same config as its control"),
+    ("where that matches several cells", variant(WHERE, "{metric: decode.agg_tok_s}").encode(), 16,
+     "keep.metrics[0]: decode.agg_tok_s: no where matches 2 cells per boot; pick one with where (level: 1, 2)"),
+    ("where that matches no cell", variant("level: 2}", "level: 99}").encode(), 16,
+     "keep.metrics[0]: decode.agg_tok_s: where {level: 99} matches no cell (level: 1, 2)"),
+    ("where with a mistyped key", variant("level: 2}", "levle: 2}").encode(), 16,
+     "unknown where key 'levle' (its cells have level)"),
+    ("where on a metric without params", variant("hygiene:", "  gates:\n    - {metric: memory.peak_memory_gib, max: 9, "
+                                                       "where: {level: 1}}\nhygiene:").encode(), 18,
+     "keep.gates[0]: memory.peak_memory_gib: unknown where key 'level' (its cells have no params)"),
+    ("memory floor above the host", variant("min_mem_available_gib: 1", "min_mem_available_gib: 100000").encode(),
+     17, "100000 GiB is more than this host has (16.0 GiB in all)"),
+]
+
+
+@pytest.mark.parametrize("raw,line,words", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_ladder_is_refused_at_its_line_before_anything_runs(tmp_path: Path, raw: bytes, line: int,
+                                                            words: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(raw)
+    with pytest.raises(LadderError) as caught:
+        load_ladder(path, host=HOST)
+    found = [p for p in caught.value.problems if words in p.reason]
+    assert found, f"no problem mentions {words!r}: {caught.value}"
+    assert found[0].line == line, str(caught.value)
+    assert all("\n" not in text for text in caught.value.lines())
+
+
+def test_the_good_ladder_is_accepted_and_aliases_within_bounds_are_kept(tmp_path: Path) -> None:
+    path = tmp_path / "good.yaml"
+    path.write_text(variant("name: t\n", "name: t\ndescription: &why tune the step budget\n")
+                    .replace(ARM, "      - {name: A1, flags: {max-num-seqs: 4}, note: *why}\n"))
+    ladder, _ = load_ladder(path, host=HOST)
+    assert ladder.windows[0].arms[0].note == "tune the step budget"
+
+
+def test_dry_run_of_an_alias_bomb_is_one_line_and_exit_2(tmp_path: Path, lab, capsys) -> None:
+    (tmp_path / "bomb.yaml").write_text(bomb("list"))
+    assert lab("run", "--dry-run", "bomb.yaml") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lab: bomb.yaml:23: the document expands to more than 100,000")
+
+
+def test_a_run_an_exception_ends_is_stored_as_failed_with_the_reason(tmp_path: Path, lab, store, monkeypatch,
+                                                                    capsys) -> None:
+    path = stub_ladder(tmp_path, "windows:\n  - name: W1\n    control: C0ctl\n    arms:\n"
+                                 "      - {name: A1, flags: {seqs: 2}}\ninstruments:\n  memory:\n"
+                                 "keep:\n  metrics: [memory.kv_pool_tokens]\n")
+
+    def window_close_fails(*args: object, **kwargs: object) -> None:
+        raise ValueError("cannot convert float infinity to integer")
+
+    # The fault the old `max_drift_pct: .inf` caused at window close, now refused by the validator.
+    monkeypatch.setattr("lab.run.verdicts.judge_run", window_close_fails)
+    assert lab("run", str(path), "--name", "r1") == 1
+    with store.session() as s:
+        run = s.scalars(select(m.Run)).one()
+        assert run.status == "failed"
+        assert run.reason == "ValueError: cannot convert float infinity to integer"
+    assert "run r1 failed: ValueError: cannot convert float infinity" in capsys.readouterr().err
+    assert lab("ls", "r1") == 0
+    assert "failed (ValueError: cannot convert float infinity to integer)" in capsys.readouterr().out
