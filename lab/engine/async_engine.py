@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -87,6 +88,10 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        # The event loop and the step loop share one GIL. A thread that waits for it gets it only
+        # when the holder blocks or after the switch interval, so a step that ends while the loop
+        # writes the last step's chunks can wait that long before it may launch the next one.
+        sys.setswitchinterval(self.engine.config.gil_switch_interval_ms / 1000)
         self.loop = loop
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()

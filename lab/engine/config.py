@@ -57,6 +57,8 @@ class EngineConfig:
     overlap_decode: str = _knob("auto", "queue each decode step on the device before reading the previous "
                                 "step's tokens, hiding host work (auto = on with CUDA)", ("auto", "on", "off"))
     max_logprobs: int = _knob(20, "most top_logprobs a request may ask for")
+    gil_switch_interval_ms: float = _knob(5.0, "served engine: longest the HTTP event loop holds the GIL while the "
+                                          "step loop waits for it (sys.setswitchinterval; Python's default is 5)")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -148,6 +150,8 @@ def validate(cfg: EngineConfig) -> None:
             raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")
     if cfg.block_size & (cfg.block_size - 1):
         raise ConfigError(f"--block-size must be a power of two, got {cfg.block_size}")
+    if not 0.0 < cfg.gil_switch_interval_ms <= 1000.0:
+        raise ConfigError(f"--gil-switch-interval-ms must be in (0, 1000], got {cfg.gil_switch_interval_ms}")
     if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
     if cfg.prefix_cache_retention < -1:

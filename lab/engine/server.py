@@ -440,6 +440,43 @@ def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
     return response
 
 
+class Guard:
+    """The API key check, and the catch-all for errors no handler maps, as a plain ASGI
+    middleware. Not `app.middleware("http")`: Starlette's BaseHTTPMiddleware relays every chunk
+    of a streamed response through an anyio memory stream and a task switch, which cost the event
+    loop as much CPU as the SSE encoding itself, and that loop shares the GIL with the engine's
+    step loop. Not an `app.exception_handler(Exception)` either: Starlette re-raises after such a
+    handler, and uvicorn would log the traceback a second time, without the request id."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            if Request(scope).headers.get("authorization", "") != f"Bearer {self.api_key}":
+                response = error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                          "authentication_error", "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise  # the status line is out: nothing but the connection can carry the error now
+            await on_internal_error(Request(scope), exc)(scope, receive, send)
+
+
 def build_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -449,20 +486,7 @@ def build_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="lab engine", version="0.1.0", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """The API key check, and the catch-all for errors no handler below maps. The catch-all is
-        here, not an `app.exception_handler(Exception)`: Starlette re-raises after such a handler,
-        and uvicorn would log the traceback a second time, without the request id. One middleware
-        for both, as each one costs every request a task."""
-        if server.api_key and request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
-                                      "authentication_error", "invalid_api_key")
-        try:
-            return await call_next(request)
-        except Exception as exc:
-            return on_internal_error(request, exc)
+    app.add_middleware(Guard, api_key=server.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
