@@ -11,7 +11,9 @@
 #   lab is `lab run ladders/h200.yaml` end to end (warm-up boot, control, five arms, control), then `lab ls`,
 #   `lab report` and `lab compare` of each arm against the control: the store comes back as lab-h200.db, the
 #   report and the boots' logs as lab-report.tgz, the GPU's power, temperature and clocks through the run as
-#   lab-dmon.txt (a call of its own: the ladder takes most of ten minutes)
+#   lab-dmon.txt (a call of its own: the ladder takes most of ten minutes); served is batch-1 and
+#   64-stream decode offline and through the server, at three GIL switch intervals, with a py-spy
+#   profile (--gil: who holds the GIL) of each served engine when py-spy is in .whl
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -62,6 +64,15 @@ for stage in $stages; do
            for arm in A1nooverlap A2cublas A3fp8kv A4mnbt2k A5nographs; do
              COLUMNS=200 python3 -m lab compare --db "$OUT/lab-h200.db" C0ctl "$arm"; done
            tar czf "$OUT/lab-report.tgz" "reports/$run" runs; } > "$OUT/lab.txt" 2>&1 ;;
+    served) for sw in 5 0.5 0.2; do
+              ( for _ in $(seq 120); do p=$(pgrep -f "lab.engine serve" | head -1); [ -n "$p" ] && break; sleep 0.5; done
+                [ -n "$p" ] && [ -x /tmp/site/bin/py-spy ] && /tmp/site/bin/py-spy record --pid "$p" --rate 200 --threads \
+                  --gil --nonblocking --format raw -o "$OUT/served_sw$sw.pyspy" ) > "$OUT/pyspy_sw$sw.log" 2>&1 &
+              timeout 170 python3 -m lab.engine bench --model dummy:llama3-8b --dtype bfloat16 --max-model-len 8192 \
+                --max-num-batched-tokens 8192 --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 256 \
+                --prefill-lengths "" --concurrency 64 --repeats 3 --reference none --throughput "" --served \
+                --gil-switch-interval-ms $sw --json "$OUT/served_sw$sw.json" > "$OUT/served_sw$sw.txt" 2>&1
+              wait; done ;;
     smollm2) timeout 80 python3 -m lab.engine bench --model dummy:smollm2-135m --dtype bfloat16 \
             --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 256 --prompt-tokens 1024 \
             --decode-tokens 64 --concurrency 32 --prefill-lengths 2048,8000 --repeats 2 --throughput 64,256 \
