@@ -23,6 +23,19 @@ Precedence when several findings apply (first match decides):
 5. an improvement beyond the threshold keeps;
 6. otherwise reject: a change that improves nothing is not kept.
 
+Interval verdicts. When the spread of a boot is known, from two or more warm boots of the arm
+(a ladder's `repeats:`) or from a calibration of the metric (`lab calibrate`), a metric is judged
+by the confidence interval of its drift-corrected effect (`lab.effects`: each arm boot against the
+controls interpolated at its place) instead of by its point figure:
+- the interval above +threshold is an improvement; below -threshold a regression;
+- entirely inside ±threshold is "no effect larger than the threshold", which rejects like a change
+  that improves nothing;
+- straddling either edge is undecided: inconclusive, with the repeats that would resolve it at the
+  measured noise (precedence 4, like a missing figure).
+With two or more arm boots the controls' drift is interpolated, not a reason to void the window;
+a single arm boot keeps the drift limit, so a drifting window never gives a keep. Every metric
+states the minimum detectable effect its design has, or that it has none.
+
 Cold boots never enter a figure; each exclusion is stated in the reasons. When both sides have at
 least two repeats, each metric row also carries a bootstrap interval of the ratio of medians and a
 Mann-Whitney p. They are information only: the decision is exactly the rule above, and an
@@ -38,6 +51,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import IntEnum, StrEnum
 from typing import Any, NamedTuple
 
+from lab import effects
+from lab.effects import Interval, Noise
 from lab.stats import (bootstrap_ratio_of_medians, mann_whitney, median_of_repeats, min_reachable_p,
                        noise_band, relative_delta)
 
@@ -93,6 +108,7 @@ class BootValues:
     label: str
     values: Mapping[str, Sequence[float] | float]
     cold: bool = False
+    at: float | None = None  # its place in the window's boot order; None: opening, arms, closing as listed
 
     def __post_init__(self) -> None:
         # A single figure is the common case; accept it bare rather than fail on len(float).
@@ -118,6 +134,10 @@ class ArmEvidence:
     opening_control: BootValues | None
     closing_control: BootValues | None
     gates: Mapping[str, GateResult | tuple[bool, str] | None] = field(default_factory=dict)
+    # Controls booted between the arm's repeats (C A B C A B C), each with its `at`.
+    between_controls: Sequence[BootValues] = ()
+    # Calibrated boot-to-boot noise per key metric name, when `lab calibrate` measured it.
+    noise: Mapping[str, Noise] = field(default_factory=dict)
 
 
 class MetricStatus(StrEnum):
@@ -127,6 +147,7 @@ class MetricStatus(StrEnum):
     DRIFT = "drift"
     MISSING = "missing"
     INVALID = "invalid"
+    UNDECIDED = "undecided"  # its interval straddles a threshold edge
 
 
 @dataclass(frozen=True)
@@ -155,6 +176,8 @@ class MetricRow:
     delta_pct: float | None = None  # signed improvement in the good direction
     drift_pct: float | None = None
     repeats: RepeatsEvidence | None = None
+    interval: Interval | None = None  # the drift-corrected effect over boots, when its noise is known
+    repeats_needed: int | None = None  # arm boots that would resolve an undecided interval
 
 
 @dataclass(frozen=True)
@@ -201,8 +224,10 @@ def judge(rule: KeepRule, evidence: ArmEvidence) -> Verdict:
     excluded: list[str] = []
 
     controls: list[BootValues] = []
-    for role, boot in (("opening control", evidence.opening_control),
-                       ("closing control", evidence.closing_control)):
+    listed = [("opening control", evidence.opening_control)]
+    listed += [("control", boot) for boot in evidence.between_controls]
+    listed += [("closing control", evidence.closing_control)]
+    for role, boot in listed:
         if boot is None:
             findings.append(_Finding(_Kind.INFO, f"no {role} in this window"))
         elif boot.cold:
@@ -227,11 +252,15 @@ def judge(rule: KeepRule, evidence: ArmEvidence) -> Verdict:
     if not arm_boots:
         findings.append(_Finding(_Kind.MISSING, "no warm boot of the arm: nothing to judge"))
 
+    arm_boots, controls = _placed(evidence, arm_boots, controls)
     rows: list[MetricRow] = []
+    mde: list[_Finding] = []  # after every other finding: they qualify the figures, they decide nothing
     for metric in rule.metrics:
         if controls and arm_boots:
-            row, finding = _judge_metric(rule, metric, arm_boots, controls)
+            row, finding = _judge_metric(rule, metric, arm_boots, controls, evidence.noise.get(metric.name))
             findings.append(finding)
+            if row.arm_value is not None:
+                mde.append(_Finding(_Kind.INFO, _mde_text(row)))
         else:
             row = MetricRow(metric.name, metric.higher_is_better, MetricStatus.MISSING)
         rows.append(row)
@@ -251,6 +280,7 @@ def judge(rule: KeepRule, evidence: ArmEvidence) -> Verdict:
         if name not in gates:
             findings.append(_Finding(_Kind.INFO, f"gate {name} has a result but is not in the rule: not used"))
 
+    findings += mde
     deciding = min((f.kind for f in findings), default=_Kind.INFO)
     decision = {_Kind.GATE_FAILED: Decision.REJECT, _Kind.WINDOW_VOID: Decision.INCONCLUSIVE,
                 _Kind.REGRESSION: Decision.REJECT, _Kind.MISSING: Decision.INCONCLUSIVE,
@@ -265,8 +295,20 @@ def judge(rule: KeepRule, evidence: ArmEvidence) -> Verdict:
                    excluded_boots=excluded, threshold_pct=rule.threshold_pct)
 
 
+def _placed(evidence: ArmEvidence, arm_boots: list[BootValues],
+            controls: list[BootValues]) -> tuple[list[BootValues], list[BootValues]]:
+    """Boots with their place in the window: as given, or opening control, arm boots, closing control."""
+    if all(b.at is not None for b in arm_boots + controls):
+        return arm_boots, controls
+    order = {id(b): i for i, b in enumerate([evidence.opening_control, *evidence.arm, evidence.closing_control])}
+    if evidence.between_controls:
+        raise ValueError("controls between arm boots need their `at` in the window")
+    return ([replace(b, at=float(order[id(b)])) for b in arm_boots],
+            [replace(b, at=float(order[id(b)])) for b in controls])
+
+
 def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues],
-                  controls: list[BootValues]) -> tuple[MetricRow, _Finding]:
+                  controls: list[BootValues], noise: Noise | None) -> tuple[MetricRow, _Finding]:
     name = metric.name
     missing = [boot.label for boot in arm_boots + controls if len(boot.values.get(name, ())) == 0]
     if missing:
@@ -292,11 +334,22 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
     change = relative_delta(arm_value, reference)
     # Adding 0.0 turns the -0.0 of an unchanged lower-is-better metric into 0.0 for display.
     delta = (change if metric.higher_is_better else -change) + 0.0
-    drift = noise_band(*control_values) * 100 if len(control_values) == 2 else None
+    # The widest disagreement among the warm controls (the two of a plain window: their band).
+    drift = noise_band(max(control_values), min(control_values)) * 100 if len(control_values) >= 2 else None
     repeats = _repeats_evidence(metric, arm_boots, controls)
-    row_fields = dict(delta_pct=delta, drift_pct=drift, repeats=repeats)
+    found = effects.interval(
+        effects.log_effects([(b.at, median_of_repeats(b.values[name])) for b in arm_boots],
+                            [(b.at, median_of_repeats(b.values[name])) for b in controls], metric.higher_is_better),
+        noise) if min(control_values) > 0 and arm_value > 0 and all(
+            median_of_repeats(b.values[name]) > 0 for b in arm_boots) else None
+    row_fields = dict(delta_pct=delta, drift_pct=drift, repeats=repeats, interval=found)
+    # Two or more arm boots interpolate the drift; one boot against a drifting pair cannot be trusted.
+    drift_voids = drift is not None and drift > rule.drift_limit_pct and (found is None or found.n < 2)
 
-    if drift is not None and drift > rule.drift_limit_pct:
+    if found is not None and not drift_voids:
+        return _judge_interval(rule, metric, base, found, shown_controls, drift, row_fields)
+
+    if drift_voids:
         text = (f"controls drift {_pct(drift, rule.drift_limit_pct, signed=False)} % > "
                 f"{rule.drift_limit_pct:g} % on {name} ({shown_controls}): window inconclusive")
         return replace(base, status=MetricStatus.DRIFT, **row_fields), _Finding(_Kind.WINDOW_VOID, text)
@@ -316,6 +369,43 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
     if repeats is not None:
         text += _repeats_text(repeats, status, threshold)
     return replace(base, status=status, **row_fields), _Finding(kind, text)
+
+
+def _judge_interval(rule: KeepRule, metric: KeyMetric, base: MetricRow, found: Interval, shown_controls: str,
+                    drift: float | None, row_fields: dict[str, Any]) -> tuple[MetricRow, _Finding]:
+    """A metric judged by where its interval lies against ±threshold (module docstring)."""
+    name, threshold = metric.name, rule.threshold_pct
+    shown = (f"{name} {_pct(found.effect_pct, threshold, signed=True)} % "
+             f"[{_pct(found.low_pct, threshold, signed=True)}, {_pct(found.high_pct, threshold, signed=True)}] % "
+             f"({found.confidence * 100:g} % CI, better is positive)")
+    needed = None
+    if found.low_pct > threshold:
+        status, kind, what = MetricStatus.IMPROVED, _Kind.IMPROVEMENT, f"improves by more than {threshold:g} %"
+    elif found.high_pct < -threshold:
+        status, kind, what = MetricStatus.REGRESSED, _Kind.REGRESSION, f"regresses beyond {threshold:g} %"
+    elif found.low_pct >= -threshold and found.high_pct <= threshold:
+        status, kind, what = MetricStatus.WITHIN, _Kind.INFO, f"no effect larger than {threshold:g} %"
+    else:
+        needed = effects.repeats_needed(found, threshold)
+        status, kind = MetricStatus.UNDECIDED, _Kind.MISSING
+        what = (f"undecided: the interval straddles ±{threshold:g} %; "
+                + (f"about {needed} boots of the arm would resolve it at the measured noise" if needed else
+                   f"more than {effects.MAX_SUGGESTED_REPEATS} boots would be needed at the measured noise"))
+    drift_text = (f"; controls drift {_pct(drift, rule.drift_limit_pct, signed=False)} % ({shown_controls}), "
+                  "interpolated at each arm boot" if drift else "")
+    text = f"{shown}: {what}{drift_text}"
+    return replace(base, status=status, repeats_needed=needed, **row_fields), _Finding(kind, text)
+
+
+def _mde_text(row: MetricRow) -> str:
+    """What the design could resolve on this metric; every judged metric says it."""
+    found = row.interval
+    if found is None:
+        return (f"{row.name}: minimum detectable effect unknown: one boot of the arm and no calibration of this "
+                "metric (`repeats: 2` or more, or `lab calibrate`, measures it)")
+    return (f"{row.name}: minimum detectable effect ±{found.mde_pct:.2g} % at {found.power * 100:g} % power "
+            f"and {found.confidence * 100:g} % confidence ({found.n} boot{'s' if found.n > 1 else ''}; "
+            f"noise from {found.source})")
 
 
 def _repeats_evidence(metric: KeyMetric, arm_boots: list[BootValues],

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import select
@@ -209,6 +209,7 @@ class RunEvidence:
     slots: list[SlotCells]
     arm_roles: dict[str, tuple[str, str]]  # arm -> (role, window), in ladder order
     directions: dict[str, dict[str, str]]  # metric_directions(ladder)
+    noise: dict[str, keep.Noise] = field(default_factory=dict)  # key metric label -> calibrated noise
 
     def higher_is_better(self, selector: Selector) -> bool | None:
         """None for a metric no instrument of this ladder declares."""
@@ -234,6 +235,10 @@ class RunEvidence:
             return next((s for s in self.slots if s.window == window and s.role == "control"
                          and s.position == position), None)
         return at("open"), at("close")
+
+    def between_controls(self, window: str) -> list[SlotCells]:
+        """The control slots booted between a window's arm repeats (`repeats:` above 1)."""
+        return [s for s in self.slots if s.window == window and s.role == "control" and s.position == "between"]
 
     def control_of(self, window: str) -> str:
         return next(name for name, (role, w) in self.arm_roles.items() if role == "control" and w == window)
@@ -263,16 +268,18 @@ class RunEvidence:
             notes += found.notes
             if found.values:
                 values[selector.label] = found.values
-        return keep.BootValues(slot.label, values, cold=slot.cold), notes
+        return keep.BootValues(slot.label, values, cold=slot.cold, at=float(slot.idx)), notes
 
     def evidence(self, arm: str) -> tuple[keep.ArmEvidence, list[str]]:
         """The arm's boots, its window's controls and its gate results, with notes for the reasons."""
         keys = self.spec.metrics
         notes: list[str] = []
         arm_boots = []
+        repeated = len(self.arm_slots(arm)) > 1
         for slot in self.arm_slots(arm):
             boot, found = self.boot_values(slot, keys)
-            arm_boots.append(boot)
+            # Repeats of one arm share its name: the slot number tells their boots apart.
+            arm_boots.append(replace(boot, label=f"{boot.label} #{slot.idx}") if repeated else boot)
             notes += found
         controls = []
         for slot in self.controls(self.window(arm)):
@@ -282,6 +289,11 @@ class RunEvidence:
             boot, found = self.boot_values(slot, keys)
             controls.append(boot)
             notes += found
+        between = []
+        for slot in self.between_controls(self.window(arm)):
+            boot, found = self.boot_values(slot, keys)
+            between.append(replace(boot, label=f"{boot.label} #{slot.idx}"))
+            notes += found
         gates = {}
         warm = [s for s in self.arm_slots(arm) if s.measured and not s.cold]
         for gate in self.spec.gates:
@@ -290,7 +302,9 @@ class RunEvidence:
             result, found = self._gate(gate, warm)
             gates[gate.label] = result
             notes += found
-        return keep.ArmEvidence(arm_boots, controls[0], controls[1], gates), list(dict.fromkeys(notes))
+        return (keep.ArmEvidence(arm_boots, controls[0], controls[1], gates, between_controls=between,
+                                 noise=self.noise),
+                list(dict.fromkeys(notes)))
 
     def _gate(self, gate: GateSpec, slots: Sequence[SlotCells]) -> tuple[keep.GateResult | None, list[str]]:
         """A gate holds when every warm boot of the arm satisfies it; no value from one is no result."""

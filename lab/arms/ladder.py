@@ -162,6 +162,9 @@ class Ladder(Strict):
     description: str = ""
     engine: Engine
     windows: list[Window] = Field(min_length=1)
+    repeats: int = Field(1, ge=1, le=20, description="boots of every arm per window, interleaved with controls "
+                                                     "(C A B C A B C for 2); the boot is the unit of replication, "
+                                                     "and 2 or more give each verdict a confidence interval")
     instruments: Instruments = Field(default_factory=Instruments)  # type: ignore[valid-type]
     keep: Keep = Field(default_factory=Keep)
     hygiene: Hygiene = Field(default_factory=Hygiene)

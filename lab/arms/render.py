@@ -1,7 +1,9 @@
 """From a ladder to concrete arms (base + one change, with a config hash) and the ordered boot slots.
 
 Each window boots its control, then its arms in order, then its control again, so every arm is
-bracketed by warm reboots of the unchanged base. An optional warm-up boot of the base comes first.
+bracketed by warm reboots of the unchanged base. With `repeats: n` the arms are booted n times,
+interleaved with controls (C A B C A B C): the boot is the unit of replication, and every arm boot
+has a control on each side to interpolate the drift between. An optional warm-up boot comes first.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from lab.arms.ladder import Arm, BundledEngine, CommandEngine, Ladder
 from lab.engine import config as engine_config
 
 Role = Literal["warmup", "control", "arm"]
-Position = Literal["warmup", "open", "arm", "close"]
+Position = Literal["warmup", "open", "arm", "between", "close"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,10 @@ def plan(ladder: Ladder) -> Plan:
         slot(control, "control", "open", window.name)
         for arm in window.arms:
             arms.append(arm_spec(ladder, window.name, arm, control))
-            slot(arm.name, "arm", "arm", window.name)
+        for repeat in range(ladder.repeats):
+            if repeat:
+                slot(control, "control", "between", window.name)
+            for arm in window.arms:
+                slot(arm.name, "arm", "arm", window.name)
         slot(control, "control", "close", window.name)
     return Plan(arms, slots)

@@ -85,7 +85,7 @@ class BootContext:
     arm: str
     window: str | None
     role: Literal["control", "arm"]
-    position: Literal["open", "arm", "close"]
+    position: Literal["open", "arm", "between", "close"]
     salt: str  # unique per run and boot: prefix prompts with it so no boot is served from another's cache
     engine_kind: Literal["bundled", "command"]
     params: BaseModel  # this instrument's validated ladder section

@@ -50,6 +50,14 @@ def test_windows_bracket_each_arm_with_controls_after_one_warmup() -> None:
     ]
 
 
+def test_repeats_interleave_every_arm_with_controls() -> None:
+    p = plan(ladder(BUNDLED.replace("hygiene: {warmup_boot: true}", "repeats: 2")))
+    assert [(s.arm, s.position) for s in p.slots if s.window == "W1"] == [
+        ("C0ctl", "open"), ("C1", "arm"), ("C2", "arm"), ("C0ctl", "between"), ("C1", "arm"), ("C2", "arm"),
+        ("C0ctl", "close")]
+    assert len([a for a in p.arms if a.name == "C1"]) == 1  # one arm, booted twice
+
+
 def test_a_warmup_list_boots_each_named_config_once_before_the_first_window() -> None:
     p = plan(ladder(BUNDLED.replace("warmup_boot: true", "warmup_boot: [C0ctl, D1]")))
     assert [(s.arm, s.role, s.window) for s in p.slots[:3]] == [

@@ -1,0 +1,101 @@
+"""Interval verdicts over repeated boots: drift interpolated at each arm boot, the effect's confidence
+interval against ±threshold, the repeats an undecided verdict needs, and the minimum detectable effect."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lab.effects import Noise, interpolate, interval, log_effects, repeats_needed
+from lab.keep import ArmEvidence, BootValues, Decision, KeepRule, KeyMetric, MetricStatus, judge
+
+DECODE = KeyMetric("decode.agg_tok_s[level=4]", higher_is_better=True)
+TTFT = KeyMetric("mixed.short_ttft_behind_s", higher_is_better=False)
+RULE = KeepRule(2.0, [DECODE])
+
+
+def interleaved(controls: list[float], arm: list[float], metric: KeyMetric = DECODE,
+                noise: dict | None = None) -> ArmEvidence:
+    """C A C A C …: controls at even places, arm boots at odd ones (len(controls) == len(arm) + 1)."""
+    assert len(controls) == len(arm) + 1
+    boots = [BootValues(f"C#{2 * i}", {metric.name: v}, at=2.0 * i) for i, v in enumerate(controls)]
+    return ArmEvidence(arm=[BootValues(f"A#{2 * i + 1}", {metric.name: v}, at=2.0 * i + 1) for i, v in enumerate(arm)],
+                       opening_control=boots[0], closing_control=boots[-1], between_controls=boots[1:-1],
+                       noise=noise or {})
+
+
+def test_the_control_is_interpolated_at_each_arm_boot() -> None:
+    assert interpolate([(0, 100.0), (2, 110.0)], 1) == 105.0
+    assert interpolate([(0, 100.0), (2, 110.0), (4, 90.0)], 3) == 100.0
+    assert interpolate([(2, 110.0)], 7) == 110.0  # one side only: the nearest control
+    # Lower is better: an arm 10 % slower in latency is a -log(1.1) effect, "better" stays positive.
+    assert log_effects([(1, 110.0)], [(0, 100.0), (2, 100.0)], higher_is_better=False) == [-math.log(1.1)]
+
+
+def test_steady_drift_makes_no_false_keep_and_an_unchanged_arm_is_no_effect() -> None:
+    # Controls climb 6 % through the window (the point rule would void it); the arm sits on the line.
+    controls = [100.0, 102.0, 104.0, 106.0]
+    arm = [101.1, 102.9, 105.1]
+    verdict = judge(RULE, interleaved(controls, arm))
+    row = verdict.metrics[0]
+    assert verdict.decision is Decision.REJECT and row.status is MetricStatus.WITHIN
+    assert row.interval is not None and -2 < row.interval.low_pct and row.interval.high_pct < 2
+    assert "no effect larger than 2 %" in verdict.reasons[1] and "interpolated at each arm boot" in verdict.reasons[1]
+
+
+def test_an_effect_whose_interval_clears_the_threshold_keeps() -> None:
+    verdict = judge(RULE, interleaved([100.0, 101.0, 100.0, 99.0], [110.0, 111.0, 109.0]))
+    assert verdict.decision is Decision.KEEP
+    assert verdict.metrics[0].interval.low_pct > 2
+
+
+def test_a_slowdown_whose_interval_is_below_minus_threshold_rejects_as_a_regression() -> None:
+    # A latency metric 5 % worse in every boot: better is positive, so the effect is about -5 %.
+    verdict = judge(KeepRule(2.0, [TTFT]), interleaved([1.00, 1.01, 0.99, 1.00], [1.05, 1.055, 1.045], metric=TTFT))
+    row = verdict.metrics[0]
+    assert verdict.decision is Decision.REJECT and row.status is MetricStatus.REGRESSED
+    assert row.interval.high_pct < -2 and row.delta_pct < 0
+    assert "regresses beyond 2 %" in verdict.reasons[0]
+
+
+def test_an_interval_that_straddles_is_inconclusive_and_says_how_many_boots_would_resolve_it() -> None:
+    verdict = judge(RULE, interleaved([100.0, 100.0, 100.0], [104.0, 108.0]))
+    row = verdict.metrics[0]
+    assert verdict.decision is Decision.INCONCLUSIVE and row.status is MetricStatus.UNDECIDED
+    assert row.repeats_needed is not None and row.repeats_needed > 2
+    assert f"about {row.repeats_needed} boots of the arm would resolve it" in verdict.reasons[0]
+
+
+def test_repeats_needed_shrinks_the_interval_clear_of_the_threshold() -> None:
+    found = interval([math.log(1.06), math.log(1.02)], None)
+    n = repeats_needed(found, 2.0)
+    assert n is not None
+    # At that count an interval of the same spread centred on the same effect clears +2 %.
+    from scipy import stats
+    half = stats.t.ppf(0.975, n - 1) * found.sd_log / math.sqrt(n)
+    assert math.log1p(found.effect_pct / 100) - half > math.log1p(0.02)
+
+
+def test_one_boot_with_a_calibration_gets_an_interval_and_the_same_rule() -> None:
+    noise = {DECODE.name: Noise(sd_log=0.005, df=10, source="calibration cal-1")}
+    verdict = judge(RULE, interleaved([100.0, 100.5], [110.0], noise=noise))
+    assert verdict.decision is Decision.KEEP and verdict.metrics[0].interval.n == 1
+    assert any("minimum detectable effect ±1.6 % at 80 % power" in r and "calibration cal-1" in r
+               for r in verdict.reasons)
+
+
+def test_one_boot_in_a_drifting_window_stays_inconclusive_even_with_a_calibration() -> None:
+    noise = {DECODE.name: Noise(sd_log=0.005, df=10, source="calibration cal-1")}
+    verdict = judge(RULE, interleaved([100.0, 106.0], [115.0], noise=noise))
+    assert verdict.decision is Decision.INCONCLUSIVE and "window inconclusive" in verdict.reasons[0]
+
+
+@pytest.mark.parametrize("controls,arm,noise", [
+    ([100.0, 101.0], [103.0], None),
+    ([100.0, 101.0, 100.0], [103.0, 104.0], None),
+    ([100.0, 101.0], [103.0], {DECODE.name: Noise(0.01, 5, "calibration c")}),
+], ids=["one boot, no noise model", "two boots", "one boot, calibrated"])
+def test_every_verdict_states_its_minimum_detectable_effect(controls, arm, noise) -> None:
+    verdict = judge(RULE, interleaved(controls, arm, noise=noise))
+    assert sum(r.startswith(f"{DECODE.name}: minimum detectable effect") for r in verdict.reasons) == 1
