@@ -163,10 +163,12 @@ class LLMEngine:
         return outputs + self._run_sync(plan)
 
     def _overlappable(self, plan: SchedulerOutput) -> bool:
-        """A pure decode step whose outputs need nothing but the sampled token."""
+        """A pure decode step whose outputs need nothing but the sampled token (and whose logits
+        need no processing: penalties and grammars read the tokens still pending on the device)."""
         return not plan.preempted and all(
             s.num_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens and s.samples
-            and s.seq.params.logprobs is None and not s.seq.wants_prompt_logprobs for s in plan.scheduled)
+            and s.seq.params.logprobs is None and not s.seq.wants_prompt_logprobs
+            and not s.seq.params.needs_processing for s in plan.scheduled)
 
     def _trim_certain_finishers(self, plan: SchedulerOutput) -> None:
         """Leave out of an overlapped step the sequences whose pending token is certain to be

@@ -110,6 +110,7 @@ class ModelRunner:
         self.model_config = loaded.config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
+        self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids)  # masked before a request's min_tokens
         self.attention, ops = make_backends(config, device, max_model_len)
         self.model = Model(loaded.config, loaded.weights, self.attention, max_positions=max_model_len, ops=ops)
         self.kv_dtype = kv_cache_dtype(config, dtype)
@@ -274,7 +275,8 @@ class ModelRunner:
 
     def _sample(self, sample_seqs: list[ScheduledSeq], rows: torch.Tensor, result: StepResult) -> StepResult:
         params = [s.seq.params for s in sample_seqs]
-        tokens = sampler.sample(rows, params, [s.seq.generator for s in sample_seqs])
+        tokens = sampler.sample(rows, params, [s.seq.generator for s in sample_seqs], [s.seq for s in sample_seqs],
+                                self.eos_token_ids)
         want = [p.logprobs for p in params]
         lps: list[TokenLogprob | None] = [None] * len(sample_seqs)
         if any(w is not None for w in want):

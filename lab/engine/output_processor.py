@@ -60,6 +60,10 @@ class OutputProcessor:
 
     def _check_stop(self, seq: Sequence, state: TextState, token: int) -> str | None:
         p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            # Before min_tokens nothing ends a request, as in vLLM: the sampler masks EOS and stop
+            # ids, stop strings are not matched, and min_tokens <= max_tokens fits the context.
+            return None
         if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:
