@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import logging
 import sys
 from typing import Callable
@@ -56,6 +57,45 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print(f"run [bold]{outcome.name}[/] finished: {counts}. `lab ls {outcome.name}` shows its boots.")
     if outcome.boots and not outcome.boots.get("done"):
         _error(f"no boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
+        return 1
+    return 0
+
+
+def _calibrate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ladder", metavar="LADDER.yaml", help="the ladder whose key metrics to calibrate")
+    parser.add_argument("--boots", type=int, default=7, metavar="N",
+                        help="control boots in the A/A window (at least 3; default 7)")
+    parser.add_argument("--name", help="name of the calibration run (default: <ladder>-calibration-<date>-<time>)")
+    parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
+    _db_arg(parser)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from lab import calibrate
+    from lab.run import execute
+    from lab.store.db import open_store
+
+    console = _console()
+    store = open_store(args.db)
+    try:
+        try:
+            run, repeats = calibrate.create(store, args.ladder, args.boots, args.name, args.runs_dir)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {args.db}")
+        execute(store, run, console)
+        rows = calibrate.measure(store, run.id, repeats)
+    finally:
+        store.close()
+    table = Table("key metric", "boots", "boot-to-boot SD %", "drift %", f"MDE % ({repeats} repeats, 80 % power)")
+    for row in rows:
+        table.add_row(row["metric"], str(row["boots"]), f"{math.expm1(row['sd_log']) * 100:.2f}",
+                      f"{row['drift_pct']:.2f}", f"±{row['mde_pct']:.2f}")
+    _console(stdout=True).print(table)
+    if not rows:
+        _error(f"no key metric had 3 warm control boots; `lab ls {run.name}` shows what happened")
         return 1
     return 0
 
@@ -184,6 +224,8 @@ def _engine(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "run": ("boot a ladder's arms one by one and store every figure and request", _run_args, cmd_run),
     "ls": ("list runs, or one run's arms and boots", _ls_args, cmd_ls),
+    "calibrate": ("A/A runs of a ladder's control: each key metric's boot-to-boot noise, drift and minimum "
+                  "detectable effect on this host, for KEEP", _calibrate_args, cmd_calibrate),
     "compare": ("two arms side by side: values, change, noise band, statistics, KEEP verdicts", _compare_args,
                 cmd_compare),
     "report": ("write reports/<run>/ (index.html, index.md, PNG figures) for a run", _report_args, cmd_report),

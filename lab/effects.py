@@ -101,12 +101,15 @@ def interval(effects: Sequence[float], noise: Noise | None, confidence: float = 
     se = sd / math.sqrt(n)
     t = float(stats.t.ppf(0.5 + confidence / 2, df))
     return Interval(effect_pct=to_pct(mean), low_pct=to_pct(mean - t * se), high_pct=to_pct(mean + t * se), n=n,
-                    df=df, sd_log=sd, se_log=se, mde_pct=to_pct(_mde_log(se, df, confidence, power)),
+                    df=df, sd_log=sd, se_log=se, mde_pct=mde_pct(sd, n, df, confidence, power),
                     confidence=confidence, power=power, source=source)
 
 
-def _mde_log(se: float, df: int, confidence: float, power: float) -> float:
-    return (float(stats.t.ppf(0.5 + confidence / 2, df)) + float(stats.t.ppf(power, df))) * se
+def mde_pct(sd_log: float, n: int, df: int, confidence: float = CONFIDENCE, power: float = POWER) -> float:
+    """The smallest true effect (%) that n boots at this per-boot spread find non-zero with `power`:
+    (t_{1-alpha/2} + t_{power}) * sd / sqrt(n), with the interval's degrees of freedom."""
+    t_sum = float(stats.t.ppf(0.5 + confidence / 2, df)) + float(stats.t.ppf(power, df))
+    return to_pct(t_sum * sd_log / math.sqrt(n))
 
 
 def repeats_needed(found: Interval, threshold_pct: float) -> int | None:

@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from lab import boot as engine_boot
 from lab import fingerprint, verdicts
 from lab.arms import render
+from lab.arms.ladder import Ladder
 from lab.arms.validate import load_ladder, parse_ladder
 from lab.instruments import REGISTRY
 from lab.slot import Interrupted, RunContext, run_slot
@@ -51,12 +52,18 @@ class Outcome:
 def create(store: Store, ladder_path: str | Path, name: str | None = None, runs_dir: str | Path = "runs") -> m.Run:
     """Validate the ladder and store the run with its arms and planned slots."""
     ladder, text = load_ladder(ladder_path)
+    return create_from_text(store, ladder, text, ladder_path, name, runs_dir)
+
+
+def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str | Path, name: str | None,
+                     runs_dir: str | Path, stem: str | None = None) -> m.Run:
+    """Store a run of a ladder already validated from `text` (a calibration derives its own)."""
     plan = render.plan(ladder)
     taken = {r.name for r in reader.list_runs(store)}
     if name is not None and name in taken:
         raise RunError(f"a run named {name!r} exists; resume it with `lab run --resume {name}` or pick another --name")
     if name is None:
-        stem = name = f"{ladder.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        stem = name = f"{stem or ladder.name}-{datetime.now():%Y%m%d-%H%M%S}"
         n = 1
         while name in taken:  # two runs of one ladder within a second
             n += 1

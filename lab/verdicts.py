@@ -30,7 +30,7 @@ from lab.arms.validate import parse_ladder
 from lab.instruments import REGISTRY
 from lab.stats import median_of_repeats
 from lab.store import models as m
-from lab.store import writer
+from lab.store import reader, writer
 from lab.store.db import Store
 
 # A failed boot's reason can be a log line; the verdict needs only its gist.
@@ -355,8 +355,19 @@ def load(store: Store, run_id: int) -> RunEvidence:
                 id=slot.id, idx=slot.idx, arm=arm_names[slot.arm_id], role=slot.role, position=slot.position,
                 window=slot.window, status=slot.status, boot_statuses=tuple(b.status for b in slot_boots),
                 reason=reason, cold=any(b.cold for b in slot_boots if b.id in producing), cells=slot_cells))
-        return RunEvidence(run.id, run.name, ladder, rule_spec(ladder), stored,
-                           {a.name: (a.role, a.window) for a in arms}, metric_directions(ladder))
+        ladder_name, run_name = run.ladder_name, run.name
+    return RunEvidence(run_id, run_name, ladder, rule_spec(ladder), stored,
+                       {a.name: (a.role, a.window) for a in arms}, metric_directions(ladder),
+                       _noise(store, ladder_name, run_id))
+
+
+def _noise(store: Store, ladder_name: str, run_id: int) -> dict[str, keep.Noise]:
+    """The newest `lab calibrate` noise model of this ladder on the host the run booted on."""
+    host = reader.boot_host(store, run_id)
+    if host is None:
+        return {}
+    return {row.metric: keep.Noise(row.sd_log, row.df, f"calibration run {row.run_id} ({row.boots} control boots)")
+            for row in reader.latest_noise(store, ladder_name, host) if row.run_id != run_id}
 
 
 def judge_arm(evidence: RunEvidence, rule: keep.KeepRule, arm: str) -> keep.Verdict:

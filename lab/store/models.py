@@ -219,3 +219,23 @@ class Verdict(Base):
     reasons: Mapped[list[Any]]  # deciding reasons first
     detail: Mapped[dict[str, Any]] = mapped_column(default=dict)  # Verdict.to_dict(): metric rows, gates, ...
     created_at: Mapped[datetime]
+
+
+class NoiseModel(Base):
+    """One key metric's boot-to-boot noise on one host, from a `lab calibrate` run (`lab.calibrate`)."""
+
+    __tablename__ = "noise_model"
+    __table_args__ = (UniqueConstraint("run_id", "metric"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id"))
+    ladder_name: Mapped[str] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(String(200))
+    metric: Mapped[str] = mapped_column(Text)  # the key metric's label, instrument.metric[where]
+    boots: Mapped[int]  # control boots measured
+    sd_log: Mapped[float] = mapped_column(Float)  # SD of an A/A effect (log ratio against interpolated controls)
+    df: Mapped[int]
+    drift_pct: Mapped[float] = mapped_column(Float)  # widest disagreement among the controls
+    mde_pct: Mapped[float] = mapped_column(Float)  # at `repeats` boots per arm, `power`, 95 % confidence
+    repeats: Mapped[int]
+    power: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime]

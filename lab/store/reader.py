@@ -91,3 +91,21 @@ def warm_control_boots(store: Store, run_id: int, window: str, before_idx: int) 
                         m.Slot.idx < before_idx, m.Boot.status == "done", m.Boot.cold.is_(False))
                  .order_by(m.Slot.idx, m.Boot.attempt))
         return list(s.scalars(query).all())
+
+
+def latest_noise(store: Store, ladder_name: str, host: str) -> list[m.NoiseModel]:
+    """The newest calibration of this ladder on this host, one row per metric; [] when never calibrated."""
+    with store.session() as s:
+        newest = s.scalar(select(func.max(m.NoiseModel.run_id)).where(m.NoiseModel.ladder_name == ladder_name,
+                                                                       m.NoiseModel.host == host))
+        if newest is None:
+            return []
+        return list(s.scalars(select(m.NoiseModel).where(m.NoiseModel.run_id == newest)
+                              .order_by(m.NoiseModel.id)).all())
+
+
+def boot_host(store: Store, run_id: int) -> str | None:
+    """The host a run's first boot ran on (its environment fingerprint); None before any boot."""
+    with store.session() as s:
+        fingerprint = s.scalar(select(m.Boot.fingerprint).where(m.Boot.run_id == run_id).order_by(m.Boot.id).limit(1))
+    return fingerprint.get("host") if isinstance(fingerprint, dict) else None

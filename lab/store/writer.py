@@ -149,3 +149,13 @@ def _plain(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
     return str(value)
+
+
+def write_noise(store: Store, *, run_id: int, ladder_name: str, host: str, rows: list[dict[str, Any]]) -> None:
+    """A calibration's noise model, one row per key metric; calibrating the run again replaces them."""
+    with store.session() as s, s.begin():
+        for old in s.scalars(select(m.NoiseModel).where(m.NoiseModel.run_id == run_id)).all():
+            s.delete(old)
+        s.flush()
+        for row in rows:
+            s.add(m.NoiseModel(run_id=run_id, ladder_name=ladder_name, host=host, created_at=now(), **row))

@@ -1,0 +1,56 @@
+"""`lab calibrate`: A/A boots of a ladder's control give each key metric a stored noise model that
+the KEEP rule then uses for the ladder's runs on the same host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import select
+
+from lab.store import models as m
+from tests.lab.conftest import stub_ladder
+
+# The stub engine's memory cells: the host's MemAvailable floor moves a little from boot to boot.
+BODY = """\
+windows:
+  - name: W1
+    control: C0ctl
+    arms:
+      - {name: A1, flags: {seqs: 2}}
+repeats: 2
+instruments:
+  memory:
+keep:
+  metrics: [memory.host_mem_available_floor_gib]
+  gates:
+    - {metric: memory.host_mem_available_floor_gib, min: 0.1, arms: [A1]}
+"""
+
+
+def test_calibration_boots_the_control_alone_and_stores_a_noise_model_keep_uses(tmp_path: Path, lab, store,
+                                                                                capsys) -> None:
+    path = stub_ladder(tmp_path, BODY)
+    assert lab("calibrate", str(path), "--boots", "4", "--name", "cal") == 0
+    out = capsys.readouterr().out
+    assert "memory.host_mem_available_floor_gib" in out and "MDE % (2 repeats, 80 % power)" in out
+    with store.session() as s:
+        run = s.scalars(select(m.Run).where(m.Run.name == "cal")).one()
+        slots = s.scalars(select(m.Slot).where(m.Slot.run_id == run.id).order_by(m.Slot.idx)).all()
+        assert [(sl.arm.name, sl.position) for sl in slots] == [
+            ("C0ctl", "warmup"), ("C0ctl", "open"), ("C0ctl", "between"), ("C0ctl", "between"), ("C0ctl", "close")]
+        noise = s.scalars(select(m.NoiseModel)).one()
+        assert (noise.ladder_name, noise.metric, noise.boots, noise.df, noise.repeats) == (
+            "stub", "memory.host_mem_available_floor_gib", 4, 2, 2)
+        assert noise.sd_log >= 0 and noise.mde_pct >= 0 and noise.drift_pct >= 0
+    assert lab("run", str(path), "--name", "r") == 0
+    with store.session() as s:
+        verdict = s.scalars(select(m.Verdict)).one()
+    assert any(f"noise from 2 boots pooled with calibration run {run.id} (4 control boots)" in reason
+               for reason in verdict.reasons), verdict.reasons
+
+
+def test_fewer_than_three_boots_is_a_usage_error(tmp_path: Path, lab) -> None:
+    import pytest
+    with pytest.raises(SystemExit) as caught:
+        lab("calibrate", str(stub_ladder(tmp_path, BODY)), "--boots", "2")
+    assert caught.value.code == 2
