@@ -59,6 +59,9 @@ class EngineConfig:
     max_logprobs: int = _knob(20, "most top_logprobs a request may ask for")
     gil_switch_interval_ms: float = _knob(5.0, "served engine: longest the HTTP event loop holds the GIL while the "
                                           "step loop waits for it (sys.setswitchinterval; Python's default is 5)")
+    inject_step_delay_ms: float = _knob(0.0, "known cost for measuring the lab's power: sleep this long in every "
+                                        "step that runs work, so T decode tokens take at least T times it longer "
+                                        "(0 = off)")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -148,6 +151,8 @@ def validate(cfg: EngineConfig) -> None:
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.inject_step_delay_ms < 60_000:  # also refuses NaN and inf, which would hang a step
+        raise ConfigError(f"--inject-step-delay-ms must be >= 0 and < 60000, got {cfg.inject_step_delay_ms}")
     if cfg.block_size & (cfg.block_size - 1):
         raise ConfigError(f"--block-size must be a power of two, got {cfg.block_size}")
     if not 0.0 < cfg.gil_switch_interval_ms <= 1000.0:

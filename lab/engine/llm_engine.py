@@ -135,6 +135,8 @@ class LLMEngine:
         been queued behind it, so the host's work (scheduling, inputs, outputs) hides behind the
         device's; a step that cannot overlap first collects the step in flight."""
         plan = self.scheduler.schedule()
+        if plan.scheduled and self.config.inject_step_delay_ms:
+            time.sleep(self.config.inject_step_delay_ms / 1000)  # a documented known cost, see the knob
         inflight = self._inflight
         if self.overlap and self._overlappable(plan):
             self._trim_certain_finishers(plan)
