@@ -174,6 +174,11 @@ class AsyncEngine:
                 except (ValueError, EngineBusyError) as exc:
                     self._resolve(item.accepted, error=exc)
                     continue
+                except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+                    log.exception("request %s refused by an unexpected error", item.request_id)
+                    self.engine.abort(item.request_id)  # in case it got as far as the queue
+                    self._resolve(item.accepted, error=exc)
+                    continue
                 self._sinks[item.request_id] = item.sink
                 self._resolve(item.accepted, True)
             elif isinstance(item, _Abort):
