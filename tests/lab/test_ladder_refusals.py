@@ -135,3 +135,17 @@ def test_a_run_an_exception_ends_is_stored_as_failed_with_the_reason(tmp_path: P
     assert "run r1 failed: ValueError: cannot convert float infinity" in capsys.readouterr().err
     assert lab("ls", "r1") == 0
     assert "failed (ValueError: cannot convert float infinity to integer)" in capsys.readouterr().out
+
+
+def test_a_store_written_before_runs_had_a_reason_opens_and_gains_the_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    from lab.store.db import open_store
+
+    db = tmp_path / "old.db"
+    open_store(str(db)).close()
+    with sqlite3.connect(db) as con:
+        con.execute("ALTER TABLE run DROP COLUMN reason")  # the table as an earlier lab created it
+    open_store(str(db)).close()
+    with sqlite3.connect(db) as con:
+        assert "reason" in [row[1] for row in con.execute("PRAGMA table_info(run)")]
