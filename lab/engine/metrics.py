@@ -1,64 +1,119 @@
-"""Prometheus metrics at `/metrics`. Names follow vLLM's (`vllm:num_requests_running` becomes
-`lab:num_requests_running`, and so on) so dashboards and scrapers written for vLLM map one to one."""
+"""Prometheus metrics at `/metrics`, under vLLM's names, labels and counting rules, so the
+dashboards, alerts and autoscalers written for vLLM read this engine unchanged:
+
+- every series carries `model_name` and `engine` (always "0": one engine per server);
+- `vllm:prompt_tokens_total` counts each request's whole prompt once, when its first token is
+  out, prefix-cache hits included (the engine's own `/v1/stats` counts computed tokens instead);
+- `vllm:request_success_total{finished_reason}` counts every request that ended, by why:
+  `stop`, `length` or `abort` (its client went away).
+
+Gauges and engine counters are read at scrape time; the server observes the per-request ones
+once per request (arrival, first token, finish), so no work is added per streamed token beyond
+the inter-token histogram."""
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lab.engine.llm_engine import LLMEngine
 
+PREFIX = "vllm"
+LABELS = ["model_name", "engine"]
+ENGINE = "0"
+FINISH_REASONS = ("stop", "length", "abort")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
 
 
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50... up to the context, as vLLM builds its token-count buckets."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exp
+            if value > max_model_len:
+                return out
+            out.append(value)
+        exp += 1
+
+
 class _EngineCollector(Collector):
-    """Reads the engine's counters at scrape time; no bookkeeping on the step path."""
+    """Reads the engine's gauges and counters at scrape time; no bookkeeping on the step path."""
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.values = [model_name, ENGINE]
 
     def collect(self) -> Iterator:
-        e, labels = self.engine, [self.model_name]
+        e = self.engine
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"lab:{name}", doc, labels=["model_name"])
-            g.add_metric(labels, value)
+            g = GaugeMetricFamily(f"{PREFIX}:{name}", doc, labels=LABELS)
+            g.add_metric(self.values, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"lab:{name}", doc, labels=["model_name"])
-            c.add_metric(labels, value)
+            c = CounterMetricFamily(f"{PREFIX}:{name}", doc, labels=LABELS)
+            c.add_metric(self.values, value)
             return c
 
-        yield gauge("num_requests_running", "Requests holding KV blocks.", e.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be admitted.", e.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", e.num_running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", e.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     e.blocks.num_used_blocks / max(1, e.blocks.num_blocks))
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.blocks.prefix_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.blocks.prefix_hits)
-        yield counter("num_preemptions", "Sequences preempted (recomputed later).", e.scheduler.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens computed.", e.counters.prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", e.counters.generation_tokens)
-        yield counter("request_success", "Requests finished.", e.counters.requests_finished)
-        yield counter("request_aborted", "Requests aborted (client gone or cancelled).", e.counters.requests_aborted)
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      e.blocks.prefix_queries)
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      e.blocks.prefix_hits)
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
+                      e.scheduler.num_preemptions)
+        yield counter("generation_tokens", "Number of generation tokens processed.", e.counters.generation_tokens)
 
 
 class EngineMetrics:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
-        self.model_name = model_name
-        self.ttft = Histogram("lab:time_to_first_token_seconds", "Time to first token, from arrival.",
-                              ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("lab:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("lab:e2e_request_latency_seconds", "Arrival to last token.",
-                             ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        values = (model_name, ENGINE)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"{PREFIX}:{name}", doc, LABELS, buckets=buckets, registry=self.registry).labels(*values)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             LATENCY_BUCKETS)
+        lengths = token_buckets(engine.max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                                               lengths)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Number of generation tokens processed.", lengths)
+        self.request_params_n = histogram("request_params_n", "Histogram of the n request parameter.",
+                                          [1, 2, 5, 10, 20])
+        self.request_params_max_tokens = histogram("request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", lengths)
+        self.prompt_tokens = Counter(f"{PREFIX}:prompt_tokens", "Number of prefill tokens processed.", LABELS,
+                                     registry=self.registry).labels(*values)
+        success = Counter(f"{PREFIX}:request_success", "Count of successfully processed requests.",
+                          LABELS + ["finished_reason"], registry=self.registry)
+        # Every reason is exported from the start, at zero, as vLLM does.
+        self.request_success = {r: success.labels(*values, r) for r in FINISH_REASONS}
+
+    def first_token(self, num_prompt_tokens: int) -> None:
+        """Count a request's prompt once it has produced its first token, cache hits included."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+
+    def finished(self, reason: str | None, num_output_tokens: int) -> None:
+        """Count one request that ended (`reason` None: aborted)."""
+        self.request_success[reason if reason in self.request_success else "abort"].inc()
+        self.request_generation_tokens.observe(num_output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,7 +9,12 @@ import torch
 
 
 class BadRequestError(ValueError):
-    """A request the engine refuses; the message is one line naming the limit."""
+    """A request the engine refuses; the message is one line naming the limit, `param` the
+    request field at fault when there is one (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 # A per-request logits processor: (output token ids so far, one row of logits) -> the row to sample

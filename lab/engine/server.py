@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -20,10 +21,12 @@ from lab.engine.async_engine import AsyncEngine, EngineDeadError
 from lab.engine.llm_engine import EngineBusyError, LLMEngine
 from lab.engine.metrics import EngineMetrics
 from lab.engine.output_processor import RequestOutput
-from lab.engine.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest)
+from lab.engine.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                 _Common)
 from lab.engine.sampling_params import BadRequestError, SamplingParams
 from lab.engine.sequence import TokenLogprob
 from lab.engine.stats import engine_stats
+from lab.engine.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,18 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+@dataclass
+class Choice:
+    """One sequence the engine runs for a request: prompt `prompt_index`'s choice `index` (OpenAI
+    numbers choices prompt-major: prompt i's j-th is i * n + j). A follower (`leader` set) is
+    submitted once its leader's first token is out, so its prompt's full KV blocks come from the
+    prefix cache: n choices cost one prefill."""
+    index: int
+    ids: list[int]
+    params: SamplingParams
+    leader: int | None = None
+
+
 class Server:
     """Request handling; the FastAPI routes in `build_app` are thin wrappers around it."""
 
@@ -136,6 +151,7 @@ class Server:
         self.api_key = api_key
         self.async_engine = AsyncEngine(engine)
         self.metrics = EngineMetrics(engine, served_model_name)
+        self.structured = StructuredOutput(engine.tokenizer, engine.model_config.vocab_size)
         self.started_at = time.time()
 
     # -- helpers -----------------------------------------------------------------------------
@@ -144,49 +160,121 @@ class Server:
         if model is not None and model not in (self.served_model_name, self.engine.config.model):
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self.served_model_name!r}")
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, self.engine.max_model_len - prompt_len)
 
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.served_model_name, "object": "model", "created": int(self.started_at),
+                "owned_by": "lab", "root": self.engine.config.model, "parent": None,
+                "max_model_len": self.engine.max_model_len}
+
     async def stream_outputs(self, request_id: str, ids: list[int], params: SamplingParams,
                              arrival: float) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one request, observing latency histograms on the way."""
+        """The engine's outputs for one sequence, observing its metrics on the way: latencies,
+        its prompt at the first token, how it ended (an abort when the consumer stops early)."""
         last: float | None = None
-        async for out in self.async_engine.generate(request_id, ids, params):
-            if out.new_token_ids:
-                now = time.monotonic()
-                if last is None:
-                    self.metrics.ttft.observe(now - arrival)
-                else:
-                    self.metrics.itl.observe((now - last) / len(out.new_token_ids))
-                last = now
-            if out.finished:
-                self.metrics.e2e.observe(time.monotonic() - arrival)
-            yield out
+        ended = False
+        try:
+            async for out in self.async_engine.generate(request_id, ids, params):
+                if out.new_token_ids:
+                    now = time.monotonic()
+                    if last is None:
+                        self.metrics.ttft.observe(now - arrival)
+                        self.metrics.first_token(out.num_prompt_tokens)
+                    else:
+                        self.metrics.itl.observe((now - last) / len(out.new_token_ids))
+                    last = now
+                if out.finished:
+                    ended = True
+                    self.metrics.e2e.observe(time.monotonic() - arrival)
+                    self.metrics.finished(out.finish_reason, out.num_output_tokens)
+                yield out
+        except Exception:
+            ended = True  # refused or failed, not aborted: the error is the client's answer
+            raise
+        finally:
+            if not ended:
+                self.metrics.finished(None, 0)
 
-    async def collect(self, request_id: str, ids: list[int], params: SamplingParams, arrival: float) -> Collected:
-        c = Collected()
-        async for out in self.stream_outputs(request_id, ids, params, arrival):
-            c.add(out)
-        return c
+    async def merged(self, rid: str, choices: list[Choice], arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several sequences interleaved as they arrive; cancelling aborts them all."""
+        if len(choices) == 1:
+            # aclosing: a consumer that stops early aborts the sequence now, not when the
+            # generator is collected.
+            async with aclosing(self.stream_outputs(f"{rid}-0", choices[0].ids, choices[0].params, arrival)) as outs:
+                async for out in outs:
+                    yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        prefilled = {c.index: asyncio.Event() for c in choices if c.leader is None}
+
+        async def pump(c: Choice) -> None:
+            try:
+                if c.leader is not None:
+                    await prefilled[c.leader].wait()
+                async for out in self.stream_outputs(f"{rid}-{c.index}", c.ids, c.params, arrival):
+                    if c.index in prefilled:
+                        prefilled[c.index].set()
+                    await queue.put((c.index, out))
+            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((c.index, exc))
+            finally:
+                if c.index in prefilled:
+                    prefilled[c.index].set()  # a leader that failed must not hold its followers
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        try:
+            remaining = len(choices)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield i, item
+                remaining -= item.finished
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def collect(self, rid: str, choices: list[Choice], arrival: float) -> list[Collected]:
+        results = [Collected() for _ in choices]
+        async for i, out in self.merged(rid, choices, arrival):
+            results[i].add(out)
+        return results
 
     async def until_done_or_disconnected(self, request: Request, work: asyncio.Future) -> Any:
-        """Await `work`, cancelling it (and so aborting its requests) if the client goes away."""
+        """Await `work`, cancelling it (and so aborting its sequences, which the engine drops at
+        its next step) as soon as the client goes away. The request body has been read, so the
+        next ASGI message is the server's `http.disconnect`: waiting for it costs nothing, and
+        reacts at once where polling would lag."""
         async def watch() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.25)
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
 
         watcher = asyncio.ensure_future(watch())
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
                 work.cancel()
+                log.info("request %s: client went away, aborted", request.state.request_id)
                 return None
             return work.result()
         finally:
             watcher.cancel()
+
+    def choices(self, body: _Common, prompts: list[tuple[list[int], SamplingParams]]) -> list[Choice]:
+        """n choices per prompt: per-choice seeds (seed + j), and a grammar matcher each."""
+        grammar = self.structured.grammar(body.response_format) if body.grammar_requested else None
+        n = body.choices_per_prompt
+        out = []
+        for ids, params in prompts:
+            first = len(out)
+            for j in range(n):
+                p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + j,
+                                        logits_processors=[self.structured.processor(grammar)] if grammar else [])
+                self.engine.check_request(ids, p)
+                out.append(Choice(len(out), ids, p, leader=first if j else None))
+        self.metrics.request_params_n.observe(n)
+        return out
 
     # -- logprob formatting ------------------------------------------------------------------
 
@@ -199,10 +287,21 @@ class Server:
         for s in strings:
             offsets.append(offset)
             offset += len(s)
+        # As vLLM: each position's alternatives include the token actually there (sampled, or
+        # the prompt's own under echo) even when it is not among the top k.
+        tops: list[dict[str, float] | None] = []
+        for lp, s in zip(lps, strings):
+            if lp is None:
+                tops.append(None)
+                continue
+            top = {names[t]: v for t, v in lp.top}
+            if all(t != lp.token_id for t, _ in lp.top):
+                top[s] = lp.logprob
+            tops.append(top)
         return {
             "tokens": strings,
             "token_logprobs": [lp.logprob if lp else None for lp in lps],
-            "top_logprobs": [({names[t]: v for t, v in lp.top} if lp else None) for lp in lps],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
@@ -223,16 +322,28 @@ class Server:
 
     # -- completions -------------------------------------------------------------------------
 
-    def plan_completion(self, body: CompletionRequest) -> list[tuple[list[int], SamplingParams]]:
-        plans = []
+    def ignored_fields(self, body: _Common, request: Request) -> dict[str, str]:
+        """Fields in neither OpenAI's nor vLLM's schema: logged, and named in a response header."""
+        unknown = body.unknown_fields()
+        if not unknown:
+            return {}
+        log.warning("request %s: ignored fields not in the OpenAI or vLLM schema: %s",
+                    request.state.request_id, ", ".join(unknown))
+        return {"x-ignored-fields": ", ".join(unknown)}
+
+    def plan_completion(self, body: CompletionRequest) -> list[Choice]:
+        body.check_unsupported()
+        prompts = []
         for prompt in body.prompts():
-            ids = self.encode_prompt(prompt)
+            ids = (self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens is not False)
+                   if isinstance(prompt, str) else list(prompt))
             max_tokens = body.max_tokens if body.max_tokens is not None else self.default_max_tokens(len(ids))
             prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
             params = body.sampling(max_tokens, body.logprobs, prompt_lp)
             self.engine.check_request(ids, params)
-            plans.append((ids, params))
-        return plans
+            self.metrics.request_params_max_tokens.observe(max_tokens)
+            prompts.append((ids, params))
+        return self.choices(body, prompts)
 
     def echo_part(self, body: CompletionRequest, ids: list[int],
                   prompt_lps: list[TokenLogprob | None] | None) -> tuple[str, dict | None]:
@@ -247,84 +358,59 @@ class Server:
         rid = request.state.request_id = f"cmpl-{uuid.uuid4().hex}"
         with planning():
             self.check_model(body.model)
-            plans = self.plan_completion(body)
+            choices = self.plan_completion(body)
+        headers = self.ignored_fields(body, request)
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(sse_stream(rid, self._stream_completion(body, plans, rid, created, arrival)),
-                                     media_type="text/event-stream")
-        work = asyncio.ensure_future(asyncio.gather(*[
-            self.collect(f"{rid}-{i}", ids, params, arrival) for i, (ids, params) in enumerate(plans)]))
-        results = await self.until_done_or_disconnected(request, work)
+            return StreamingResponse(sse_stream(rid, self._stream_completion(body, choices, rid, created, arrival)),
+                                     media_type="text/event-stream", headers=headers)
+        results = await self.until_done_or_disconnected(request, asyncio.ensure_future(
+            self.collect(rid, choices, arrival)))
         if results is None:
             return Response(status_code=499)
-        choices = []
-        for i, ((ids, _), c) in enumerate(zip(plans, results)):
+        out = []
+        for choice, c in zip(choices, results):
             text, lps = c.text, None
             if body.logprobs is not None:
                 lps = self.completion_logprobs(c.token_ids, list(c.logprobs), 0)
             if body.echo:
-                echo_text, echo_lps = self.echo_part(body, ids, c.prompt_logprobs)
+                echo_text, echo_lps = self.echo_part(body, choice.ids, c.prompt_logprobs)
                 if lps is not None and echo_lps is not None:
                     shift = len(echo_text)
                     lps = {k: echo_lps[k] + (lps[k] if k != "text_offset" else [o + shift for o in lps[k]])
                            for k in lps}
                 text = echo_text + text
-            choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
+            out.append({"index": choice.index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": self.served_model_name,
-            "choices": choices,
-            "usage": usage(sum(c.num_prompt_tokens for c in results), sum(c.num_output_tokens for c in results),
-                           sum(c.num_cached_tokens for c in results)),
-        })
+            "choices": out, "usage": self.total_usage(choices, results)}, headers=headers)
 
-    async def _merged(self, rid: str, plans: list[tuple[list[int], SamplingParams]],
-                      arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several prompts interleaved as they arrive; cancelling aborts them all."""
-        if len(plans) == 1:
-            async for out in self.stream_outputs(f"{rid}-0", plans[0][0], plans[0][1], arrival):
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
+    @staticmethod
+    def total_usage(choices: list[Choice], results: list[Collected]) -> dict[str, Any]:
+        """Each prompt counted once (on its first choice, as vLLM does), every choice's output."""
+        leaders = [c for ch, c in zip(choices, results) if ch.leader is None]
+        return usage(sum(c.num_prompt_tokens for c in leaders), sum(c.num_output_tokens for c in results),
+                     sum(c.num_cached_tokens for c in leaders))
 
-        async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
-            try:
-                async for out in self.stream_outputs(f"{rid}-{i}", ids, params, arrival):
-                    await queue.put((i, out))
-            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
-                await queue.put((i, exc))
-
-        tasks = [asyncio.ensure_future(pump(i, ids, p)) for i, (ids, p) in enumerate(plans)]
-        try:
-            remaining = len(plans)
-            while remaining:
-                i, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield i, item
-                remaining -= item.finished
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def _stream_completion(self, body: CompletionRequest, plans, rid: str, created: int,
+    async def _stream_completion(self, body: CompletionRequest, choices: list[Choice], rid: str, created: int,
                                  arrival: float) -> AsyncIterator[bytes]:
-        def chunk(choices: list[dict], extra: dict | None = None) -> bytes:
+        def chunk(items: list[dict], extra: dict | None = None) -> bytes:
             payload = {"id": rid, "object": "text_completion", "created": created,
-                       "model": self.served_model_name, "choices": choices, **(extra or {})}
+                       "model": self.served_model_name, "choices": items, **(extra or {})}
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
-        totals = [0, 0, 0]
-        offsets = [0] * len(plans)
+        results = [Collected() for _ in choices]
+        offsets = [0] * len(choices)
         if body.echo and body.logprobs is None:
-            for i, (ids, _) in enumerate(plans):
-                text, _ = self.echo_part(body, ids, None)
-                offsets[i] = len(text)
-                yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
-        async for i, out in self._merged(rid, plans, arrival):
+            for c in choices:
+                text, _ = self.echo_part(body, c.ids, None)
+                offsets[c.index] = len(text)
+                yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
+        async for i, out in self.merged(rid, choices, arrival):
             lps = None
             text = out.new_text
             if out.prompt_logprobs is not None and body.echo:
-                echo_text, lps_echo = self.echo_part(body, plans[i][0], out.prompt_logprobs)
+                echo_text, lps_echo = self.echo_part(body, choices[i].ids, out.prompt_logprobs)
                 yield chunk([{"index": i, "text": echo_text, "logprobs": lps_echo, "finish_reason": None}])
                 offsets[i] = len(echo_text)
             if body.logprobs is not None and out.new_logprobs:
@@ -334,69 +420,71 @@ class Server:
                               "finish_reason": out.finish_reason if out.finished else None}])
             offsets[i] += len(text)
             if out.finished:
-                totals[0] += out.num_prompt_tokens
-                totals[1] += out.num_output_tokens
-                totals[2] += out.num_cached_tokens
+                results[i].add(out)
         if body.include_usage:
-            yield chunk([], {"usage": usage(*totals)})
+            yield chunk([], {"usage": self.total_usage(choices, results)})
 
     # -- chat --------------------------------------------------------------------------------
 
-    def plan_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    def plan_chat(self, body: ChatCompletionRequest) -> list[Choice]:
+        body.check_unsupported()
         prompt = self.tokenizer.apply_chat_template(body.plain_messages(),
-                                                    add_generation_prompt=body.add_generation_prompt)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)  # the template writes its own BOS
+                                                    add_generation_prompt=body.add_generation_prompt is not False)
+        # The template writes its own BOS unless the client asks for the tokenizer's too.
+        ids = self.tokenizer.encode(prompt, add_special_tokens=bool(body.add_special_tokens))
         requested = body.requested_max_tokens()
         max_tokens = requested if requested is not None else self.default_max_tokens(len(ids))
         top = body.top_logprobs
         if top is not None and not body.logprobs:
-            raise BadRequestError("top_logprobs needs logprobs=true")
+            raise BadRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         params = body.sampling(max_tokens, (top or 0) if body.logprobs else None)
         self.engine.check_request(ids, params)
-        return ids, params
+        self.metrics.request_params_max_tokens.observe(max_tokens)
+        return self.choices(body, [(ids, params)])
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         with planning():
             self.check_model(body.model)
-            ids, params = self.plan_chat(body)
+            choices = self.plan_chat(body)
+        headers = self.ignored_fields(body, request)
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(sse_stream(rid, self._stream_chat(body, ids, params, rid, created, arrival)),
-                                     media_type="text/event-stream")
-        work = asyncio.ensure_future(self.collect(rid, ids, params, arrival))
-        c = await self.until_done_or_disconnected(request, work)
-        if c is None:
+            return StreamingResponse(sse_stream(rid, self._stream_chat(body, choices, rid, created, arrival)),
+                                     media_type="text/event-stream", headers=headers)
+        results = await self.until_done_or_disconnected(request, asyncio.ensure_future(
+            self.collect(rid, choices, arrival)))
+        if results is None:
             return Response(status_code=499)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": self.served_model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": ch.index, "message": {"role": "assistant", "content": c.text},
                          "logprobs": self.chat_logprobs(c.logprobs) if body.logprobs else None,
-                         "finish_reason": c.finish_reason}],
-            "usage": usage(c.num_prompt_tokens, c.num_output_tokens, c.num_cached_tokens),
-        })
+                         "finish_reason": c.finish_reason} for ch, c in zip(choices, results)],
+            "usage": self.total_usage(choices, results)}, headers=headers)
 
-    async def _stream_chat(self, body: ChatCompletionRequest, ids: list[int], params: SamplingParams, rid: str,
+    async def _stream_chat(self, body: ChatCompletionRequest, choices: list[Choice], rid: str,
                            created: int, arrival: float) -> AsyncIterator[bytes]:
-        def chunk(choices: list[dict], extra: dict | None = None) -> bytes:
+        def chunk(items: list[dict], extra: dict | None = None) -> bytes:
             payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": self.served_model_name, "choices": choices, **(extra or {})}
+                       "model": self.served_model_name, "choices": items, **(extra or {})}
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
-        last: RequestOutput | None = None
-        async for out in self.stream_outputs(rid, ids, params, arrival):
-            last = out
+        for c in choices:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        results = [Collected() for _ in choices]
+        async for i, out in self.merged(rid, choices, arrival):
             lps = self.chat_logprobs(out.new_logprobs) if body.logprobs and out.new_logprobs else None
             if out.new_text or lps or out.finished:
                 delta = {"content": out.new_text} if out.new_text else {}
-                yield chunk([{"index": 0, "delta": delta, "logprobs": lps,
+                yield chunk([{"index": i, "delta": delta, "logprobs": lps,
                               "finish_reason": out.finish_reason if out.finished else None}])
-        if body.include_usage and last is not None:
-            yield chunk([], {"usage": usage(last.num_prompt_tokens, last.num_output_tokens,
-                                             last.num_cached_tokens)})
+            if out.finished:
+                results[i].add(out)
+        if body.include_usage:
+            yield chunk([], {"usage": self.total_usage(choices, results)})
 
     # -- small endpoints ---------------------------------------------------------------------
 
@@ -500,7 +588,7 @@ def build_app(server: Server) -> FastAPI:
     for kind, (status, error_type, code, param) in errors.items():
         async def on_error(request: Request, exc: Exception, status=status, error_type=error_type, code=code,
                            param=param) -> JSONResponse:
-            return error_response(status, str(exc), error_type, code, param)
+            return error_response(status, str(exc), error_type, code, getattr(exc, "param", None) or param)
         app.add_exception_handler(kind, on_error)
 
     @app.exception_handler(StarletteHTTPException)
@@ -515,9 +603,12 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": server.served_model_name, "object": "model", "created": int(server.started_at),
-            "owned_by": "lab", "max_model_len": server.engine.max_model_len}]}
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        server.check_model(model_id)
+        return server.model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

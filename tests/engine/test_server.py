@@ -129,10 +129,10 @@ def test_stats_and_metrics(server) -> None:
     assert stats["kv_pool"]["tokens"] == stats["kv_pool"]["blocks"] * 16
     assert stats["device"] == "cpu" and stats["peak_memory_bytes"] > 0
     metrics = httpx.get(f"{server.url}/metrics").text
-    for name in ("lab:num_requests_running", "lab:num_requests_waiting", "lab:kv_cache_usage_perc",
-                 "lab:prefix_cache_queries_total", "lab:prefix_cache_hits_total",
-                 "lab:time_to_first_token_seconds_bucket", "lab:inter_token_latency_seconds_bucket",
-                 "lab:num_preemptions_total"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:num_preemptions_total"):
         assert name in metrics, name
     httpx.post(f"{server.url}/reset_prefix_cache").raise_for_status()
     assert server.stats()["prefix_cache"]["cached_blocks"] == 0
