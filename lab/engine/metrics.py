@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -76,6 +76,7 @@ class _EngineCollector(Collector):
 
 class EngineMetrics:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        disable_created_metrics()  # as vLLM: no `_created` series beside each counter and histogram
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         values = (model_name, ENGINE)
