@@ -1,13 +1,19 @@
-"""Property test: no request, however malformed, gets a 5xx or takes the server down.
+"""Property test: no request, however malformed, gets a 5xx or takes the server down, and no
+request outlives its client.
 
 Bodies are drawn from the routes' own OpenAPI schemas (each field replaced, at random, by a value
 of a wrong type, an edge value or a valid one), plus raw byte soup, wrong methods and content
 types. Valid draws keep generation tiny so the run stays fast. The property is checked on the
-real SmolLM2, on dummy weights of its shape, and, for chat, on a model without a chat template."""
+real SmolLM2, on dummy weights of its shape, for chat on a model without a chat template, and on
+a tiny dummy model with the most draws, where clients also hang up at random moments (streaming or
+not, `max_tokens: null` among them) and nothing may still run once every client is gone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import time
 
 import httpx
 import pytest
@@ -22,6 +28,8 @@ pytestmark = pytest.mark.slow
 EXAMPLES = 520
 DUMMY_EXAMPLES = 150
 NO_TEMPLATE_EXAMPLES = 150
+TINY_EXAMPLES = 1100
+HANGUPS = 200  # 520 + 150 + 150 + 1100 + 200 + 2 = 2,122 generated requests in this file
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
 scalars = st.one_of(
@@ -52,7 +60,7 @@ FIELD_VALUES = {
     "temperature": st.floats(-1, 3, allow_nan=False) | json_values,
     "top_p": st.floats(-0.5, 1.5, allow_nan=False) | json_values,
     "top_k": st.integers(-3, 100) | json_values,
-    "n": st.integers(-1, 3) | json_values,
+    "n": st.integers(-1, 4) | st.sampled_from([16, 17]) | json_values,
     "stream": st.booleans() | json_values,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), json_values),
@@ -67,6 +75,20 @@ FIELD_VALUES = {
     "tokens": st.lists(st.integers(-10, 60000), max_size=10) | json_values,
     "best_of": st.integers(0, 3) | json_values,
     "suffix": st.text(max_size=5) | json_values,
+    "min_tokens": st.integers(-1, 5) | json_values,
+    "repetition_penalty": st.floats(-1, 3, allow_nan=False) | json_values,
+    "frequency_penalty": st.floats(-3, 3, allow_nan=False) | json_values,
+    "min_p": st.floats(-0.5, 1.5, allow_nan=False) | json_values,
+    "allowed_token_ids": st.lists(st.integers(-2, 60000), max_size=3) | json_values,
+    "response_format": st.sampled_from([
+        {"type": "json_object"}, {"type": "text"}, {"type": "nonsense"}, {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}]) | json_values,
+    "tools": st.just([{"type": "function", "function": {"name": "f"}}]) | json_values,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
+    "use_beam_search": st.booleans() | json_values,
+    "an_unknown_field": json_values,
 }
 
 
@@ -142,3 +164,80 @@ def test_chat_on_a_model_without_a_chat_template_is_never_a_5xx(tmp_path) -> Non
         # Without a template no chat can succeed; well-formed ones were drawn and refused.
         assert ("/v1/chat/completions", 200) not in seen
         assert ("/v1/chat/completions", 400) in seen
+
+
+# -- clients that go away ------------------------------------------------------------------------
+
+def hangup_bodies(rng: random.Random) -> list[tuple[str, dict]]:
+    """Requests that would run for a while: long or unbounded (`max_tokens: null`), streaming or
+    not, one choice or several, some with logits processing or a grammar."""
+    out = []
+    for i in range(HANGUPS):
+        chat = rng.random() < 0.5
+        body: dict = {"messages": [{"role": "user", "content": f"Story {i}"}]} if chat else {"prompt": f"Story {i}"}
+        body["max_tokens"] = rng.choice([None, None, 400])
+        body["stream"] = rng.random() < 0.5
+        body["n"] = rng.choice([1, 1, 1, 2, 3])
+        body["ignore_eos"] = True
+        if rng.random() < 0.2:
+            body["repetition_penalty"] = 1.2
+        if rng.random() < 0.1:
+            body.update(ignore_eos=False, response_format={"type": "json_object"})
+        out.append(("/v1/chat/completions" if chat else "/v1/completions", body))
+    return out
+
+
+async def hang_up(port: int, route: str, body: dict, after: float) -> int | None:
+    """Send `body` on a raw socket, read for `after` seconds, then close it. Returns the status
+    if it arrived by then."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    await writer.drain()
+    status = None
+    try:
+        line = await asyncio.wait_for(reader.readline(), after)
+        status = int(line.split()[1]) if line else None
+        await asyncio.sleep(after)
+    except asyncio.TimeoutError:
+        pass
+    writer.close()
+    return status
+
+
+def test_tiny_model_fuzz_hangups_and_unbounded_requests(tmp_path) -> None:
+    with engine_server(tmp_path, "--model", "dummy:tiny", "--max-model-len", "512") as server:
+        statuses = {status for _, status in fuzz(server, TINY_EXAMPLES, ROUTES)}
+        assert {200, 400} <= statuses, statuses
+        rng = random.Random(19)
+        before = server.stats()
+
+        async def storm() -> list[int | None]:
+            sem = asyncio.Semaphore(40)
+
+            async def one(route: str, body: dict) -> int | None:
+                async with sem:
+                    return await hang_up(server.port, route, body, rng.uniform(0.0, 0.4))
+
+            return await asyncio.gather(*[one(route, body) for route, body in hangup_bodies(rng)])
+
+        seen = asyncio.run(storm())
+        assert all(s is None or s < 500 for s in seen), seen
+        deadline = time.monotonic() + 60
+        while True:  # every client is gone: nothing may still run or hold a block
+            stats = server.stats()
+            if (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0), stats
+        assert stats["engine_alive"] is True
+        assert stats["requests_aborted"] - before["requests_aborted"] >= HANGUPS // 2
+        # `max_tokens: null`, left alone, is bounded by the context: it ends there with "length".
+        for route, body in [("/v1/completions", {"prompt": "Hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})]:
+            r = httpx.post(f"{server.url}{route}", json={**body, "max_tokens": None, "ignore_eos": True}, timeout=120)
+            usage = r.json()["usage"]
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert usage["prompt_tokens"] + usage["completion_tokens"] == 512
