@@ -51,11 +51,7 @@ class _Body(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
-
-    def check(self) -> None:
-        if self.continuous_usage_stats:
-            raise BadRequestError("stream_options.continuous_usage_stats is not supported")
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage so far on every chunk
 
 
 # Fields of OpenAI's or vLLM's schema that this engine does not honour, with the value that
@@ -131,7 +127,6 @@ class _Common(_Body):
         if self.stream_options is not None:
             if not self.stream:
                 raise BadRequestError("stream_options is only allowed with stream=true", param="stream_options")
-            self.stream_options.check()
         if self.ignore_eos and self.grammar_requested:
             raise BadRequestError("ignore_eos cannot be combined with a JSON response_format "
                                   "(the grammar ends the output with EOS)", param="ignore_eos")
@@ -187,6 +182,10 @@ class _Common(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 def _short(value: Any) -> str:

@@ -129,6 +129,11 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def usage_so_far(out: RequestOutput) -> dict[str, Any]:
+    """vLLM's `continuous_usage_stats`: the chunk's choice's usage up to this chunk."""
+    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+
+
 @dataclass
 class Choice:
     """One sequence the engine runs for a request: prompt `prompt_index`'s choice `index` (OpenAI
@@ -417,7 +422,8 @@ class Server:
                 lps = self.completion_logprobs(out.new_token_ids, list(out.new_logprobs), offsets[i])
             if text or lps or out.finished:
                 yield chunk([{"index": i, "text": text, "logprobs": lps,
-                              "finish_reason": out.finish_reason if out.finished else None}])
+                              "finish_reason": out.finish_reason if out.finished else None}],
+                            {"usage": usage_so_far(out)} if body.continuous_usage else None)
             offsets[i] += len(text)
             if out.finished:
                 results[i].add(out)
@@ -480,7 +486,8 @@ class Server:
             if out.new_text or lps or out.finished:
                 delta = {"content": out.new_text} if out.new_text else {}
                 yield chunk([{"index": i, "delta": delta, "logprobs": lps,
-                              "finish_reason": out.finish_reason if out.finished else None}])
+                              "finish_reason": out.finish_reason if out.finished else None}],
+                            {"usage": usage_so_far(out)} if body.continuous_usage else None)
             if out.finished:
                 results[i].add(out)
         if body.include_usage:

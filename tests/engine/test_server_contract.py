@@ -108,6 +108,16 @@ def test_chat_n_streams_every_choice(client) -> None:
     assert chunks[-1].usage.completion_tokens <= 18
 
 
+def test_continuous_usage_stats_as_guidellm_asks(client) -> None:
+    """GuideLLM streams with vLLM's `continuous_usage_stats`: usage so far on every chunk."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+    counts = [c.usage.completion_tokens for c in stream if c.choices and c.choices[0].delta.content is not None
+              and c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 5
+
+
 def test_n_over_the_limit_is_refused(server) -> None:
     assert refused(server, "/v1/completions", {"prompt": "Hi", "n": 17})["param"] == "n"
 
