@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -49,10 +50,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
+    @cached_property
     def needs_processing(self) -> bool:
         """Whether the logits must be changed before sampling: requests that set none of these
-        take the plain path, with no per-row work and no host-side token history."""
+        take the plain path, with no per-row work and no host-side token history. Cached: the
+        engine asks for every sequence on every step, and params do not change once submitted."""
         return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.frequency_penalty
                     or self.presence_penalty or self.logit_bias or self.allowed_token_ids is not None
                     or self.logits_processors)
