@@ -70,7 +70,11 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: Seq[int]
     for i, seq in enumerate(seqs):
         if not seq.params.needs_processing:
             continue
-        row = _process_row(out[i], seq, eos_ids)
+        try:
+            row = _process_row(out[i], seq, eos_ids)
+        except Exception:  # noqa: BLE001 - one request's processor must not stop the shared engine loop
+            log.exception("request %s: logits processing failed; sampling unconstrained", seq.request_id)
+            row = logits[i]
         if torch.isneginf(row).all():
             # Everything masked (a grammar in an error state): sampling would fail on an empty
             # distribution, so this row falls back to the model's own and the log says why.
