@@ -35,6 +35,7 @@ class TextState:
     emitted_logprobs: int = 0
     sent_prompt_logprobs: bool = False
     stop_text_found: bool = False
+    stop_floor: int = 0  # text before min_tokens was reached: no stop string may start there
     ids: list[int] = field(default_factory=list)  # output ids that carry text (specials skipped)
 
 
@@ -63,6 +64,7 @@ class OutputProcessor:
         if seq.num_output_tokens < p.min_tokens:
             # Before min_tokens nothing ends a request, as in vLLM: the sampler masks EOS and stop
             # ids, stop strings are not matched, and min_tokens <= max_tokens fits the context.
+            state.stop_floor = len(state.text)
             return None
         if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
@@ -70,7 +72,7 @@ class OutputProcessor:
             return "stop"
         if p.stop:
             window = max(len(s) for s in p.stop) + 16
-            start = max(0, state.emitted - window)
+            start = max(state.stop_floor, state.emitted - window)
             hits = [(state.text.find(s, start), s) for s in p.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
