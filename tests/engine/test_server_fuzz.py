@@ -133,8 +133,21 @@ def fuzz(server: ServerProcess, examples: int, routes: list[str]) -> list[tuple[
             assert "message" in r.json()["error"]
 
     one()
-    assert server.stats()["engine_alive"] is True
+    http.close()
+    stats = wait_idle(server)
+    assert (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0), stats
+    assert stats["engine_alive"] is True
     return seen
+
+
+def wait_idle(server: ServerProcess, timeout: float = 60) -> dict:
+    """The server's stats once nothing runs, waits or holds a block (or at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
 
 
 def test_no_5xx_under_fuzzing(tmp_path) -> None:
@@ -224,13 +237,7 @@ def test_tiny_model_fuzz_hangups_and_unbounded_requests(tmp_path) -> None:
 
         seen = asyncio.run(storm())
         assert all(s is None or s < 500 for s in seen), seen
-        deadline = time.monotonic() + 60
-        while True:  # every client is gone: nothing may still run or hold a block
-            stats = server.stats()
-            if (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0) \
-                    or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        stats = wait_idle(server)  # every client is gone: nothing may still run or hold a block
         assert (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0), stats
         assert stats["engine_alive"] is True
         assert stats["requests_aborted"] - before["requests_aborted"] >= HANGUPS // 2
