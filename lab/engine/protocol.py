@@ -76,7 +76,7 @@ REFUSED_CHAT: dict[str, Any] = {
 }
 
 
-class _Common(_Body):
+class GenerationRequest(_Body):
     # Unknown fields are kept so the server can name them (see the module docstring).
     model_config = ConfigDict(extra="allow")
     refused: ClassVar[dict[str, Any]] = {}
@@ -193,7 +193,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
     refused: ClassVar[dict[str, Any]] = REFUSED_COMPLETION
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
@@ -236,7 +236,7 @@ class ChatMessage(BaseModel):
 TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(GenerationRequest):
     refused: ClassVar[dict[str, Any]] = REFUSED_CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None

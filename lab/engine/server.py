@@ -22,7 +22,7 @@ from lab.engine.llm_engine import EngineBusyError, LLMEngine
 from lab.engine.metrics import EngineMetrics
 from lab.engine.output_processor import RequestOutput
 from lab.engine.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                 _Common)
+                                 GenerationRequest)
 from lab.engine.sampling_params import BadRequestError, SamplingParams
 from lab.engine.sequence import TokenLogprob
 from lab.engine.stats import engine_stats
@@ -266,7 +266,7 @@ class Server:
         finally:
             watcher.cancel()
 
-    def choices(self, body: _Common, prompts: list[tuple[list[int], SamplingParams]]) -> list[Choice]:
+    def choices(self, body: GenerationRequest, prompts: list[tuple[list[int], SamplingParams]]) -> list[Choice]:
         """n choices per prompt: per-choice seeds (seed + j), and a grammar matcher each."""
         grammar = self.structured.grammar(body.response_format) if body.grammar_requested else None
         n = body.choices_per_prompt
@@ -327,7 +327,7 @@ class Server:
 
     # -- completions -------------------------------------------------------------------------
 
-    def ignored_fields(self, body: _Common, request: Request) -> dict[str, str]:
+    def ignored_fields(self, body: GenerationRequest, request: Request) -> dict[str, str]:
         """Fields in neither OpenAI's nor vLLM's schema: logged, and named in a response header."""
         unknown = body.unknown_fields()
         if not unknown:
