@@ -332,9 +332,12 @@ class Server:
         unknown = body.unknown_fields()
         if not unknown:
             return {}
+        # Names are the client's: escaped to ASCII (a header is Latin-1, a log line UTF-8, and a
+        # name may hold anything JSON allows), each cut short and at most 20 listed.
+        names = [json.dumps(n)[1:-1][:40] for n in unknown[:20]] + (["..."] if len(unknown) > 20 else [])
         log.warning("request %s: ignored fields not in the OpenAI or vLLM schema: %s",
-                    request.state.request_id, ", ".join(unknown))
-        return {"x-ignored-fields": ", ".join(unknown)}
+                    request.state.request_id, ", ".join(names))
+        return {"x-ignored-fields": ", ".join(names)}
 
     def plan_completion(self, body: CompletionRequest) -> list[Choice]:
         body.check_unsupported()

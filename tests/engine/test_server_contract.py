@@ -182,6 +182,10 @@ def test_defaults_of_refused_fields_and_unknown_fields_are_accepted(server) -> N
     assert r.status_code == 200
     assert r.headers["x-ignored-fields"] == "another, my_field"
     assert "ignored fields not in the OpenAI or vLLM schema: another, my_field" in server.log_text()
+    # A name that is not Latin-1 still fits in a header (escaped) and a log line.
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "🚀": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ignored-fields"] == "\\ud83d\\ude80"
 
 
 def test_null_content_and_tool_messages_are_refused(server) -> None:

@@ -112,6 +112,8 @@ def bodies(draw, routes: list[str]) -> tuple[str, str, bytes, dict[str, str]]:
         if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
             body["max_tokens"] = 4
         body.setdefault("max_tokens", 2)
+        if draw(st.booleans()):  # a field in neither schema, named anything: accepted and named back
+            body.setdefault(draw(st.text(max_size=12)), draw(json_values))
     return "POST", route, json.dumps(body).encode(), headers
 
 
