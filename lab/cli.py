@@ -207,6 +207,41 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--best", required=True, metavar="RUN",
+                        help="the run (name, id, or ladder name for its latest run) whose kept arm to serve")
+    parser.add_argument("--arm", metavar="NAME", help="serve this arm (or control) whatever its verdict")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="bind address of the bundled engine (default: 127.0.0.1); a command engine binds "
+                             "where its command says")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--print", action="store_true", dest="print_only",
+                        help="print the environment and command instead of running them")
+    _db_arg(parser)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lab.serve_best import choose, exec_engine
+    from lab.store.db import open_store
+
+    store = open_store(args.db, create=False)
+    try:
+        chosen = choose(store, args.best, args.arm, args.host, args.port)
+    finally:
+        store.close()
+    out = _console(stdout=True)
+    if args.print_only:
+        sys.stdout.write(chosen.shell_line() + "\n")
+        return 0
+    out.print(f"arm {chosen.arm} of run {chosen.run} (window {chosen.window}): {chosen.decision} ({chosen.reason})",
+              highlight=False, markup=False)
+    out.print(f"config hash {chosen.config_hash}", highlight=False)
+    out.print(f"command: {chosen.shell_line()}", highlight=False, markup=False, soft_wrap=True)
+    sys.stdout.flush()
+    exec_engine(chosen)
+    return 1  # not reached: the engine replaced this process
+
+
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="passed to the engine: `lab engine serve --help`")
 
@@ -231,6 +266,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "report": ("write reports/<run>/ (index.html, index.md, PNG figures) for a run", _report_args, cmd_report),
     "export": ("write a run's tables as CSV, Parquet or JSON", _export_args, cmd_export),
     "schema": ("print the ladder JSON Schema (for editor completion)", _schema_args, cmd_schema),
+    "serve": ("serve the arm a run's KEEP rule kept, exactly as it was measured (`--print`: show the command)",
+              _serve_args, cmd_serve),
     "engine": ("the bundled engine: `lab engine serve [flags]`", _engine_args, cmd_engine),
 }
 

@@ -24,16 +24,18 @@ class Launch:
     expected_config_hash: str | None  # bundled only: what /v1/stats must report
 
 
-def launch(ladder: Ladder, arm: ArmSpec, port: int) -> Launch:
+def launch(ladder: Ladder, arm: ArmSpec, port: int, host: str = HOST) -> Launch:
+    """`host` is the bundled engine's bind address (`lab serve` may serve beyond loopback); a command
+    engine binds where its command template says."""
     engine = ladder.engine
     if isinstance(engine, BundledEngine):
-        argv = [sys.executable, "-m", "lab.engine", "serve", "--host", HOST, "--port", str(port),
+        argv = [sys.executable, "-m", "lab.engine", "serve", "--host", host, "--port", str(port),
                 "--model", engine.model]
         for name, value in arm.flags.items():
             knob = engine_config.knob_from_flag(name)
             text = ("true" if value else "false") if isinstance(value, bool) else str(value)
             argv += [engine_config.flag_name(knob or name), text]
-        base = f"http://{HOST}:{port}"
+        base = f"http://{host}:{port}"
         return Launch(argv, dict(arm.env), base, base + "/v1", engine.model, None, arm.config_hash)
 
     def fill(text: str) -> str:

@@ -109,3 +109,11 @@ def boot_host(store: Store, run_id: int) -> str | None:
     with store.session() as s:
         fingerprint = s.scalar(select(m.Boot.fingerprint).where(m.Boot.run_id == run_id).order_by(m.Boot.id).limit(1))
     return fingerprint.get("host") if isinstance(fingerprint, dict) else None
+
+
+def verdicts(store: Store, run_id: int) -> dict[str, m.Verdict]:
+    """The run's stored KEEP verdicts by arm name, in arm order."""
+    with store.session() as s:
+        rows = s.execute(select(m.Arm.name, m.Verdict).join(m.Verdict, m.Verdict.arm_id == m.Arm.id)
+                         .where(m.Verdict.run_id == run_id).order_by(m.Arm.id)).tuples().all()
+        return {name: verdict for name, verdict in rows}
