@@ -1,0 +1,72 @@
+"""Step detection on constructed series: what `lab history` calls a step, an outlier, or noise."""
+
+from __future__ import annotations
+
+import random
+
+from lab.steps import analyse, regressed_since
+
+LABELS = [f"n{i:02d}" for i in range(12)]
+
+
+def noisy(levels: list[float], sd_pct: float = 0.5, seed: int = 7) -> list[float]:
+    rng = random.Random(seed)
+    return [level * (1 + rng.gauss(0, sd_pct / 100)) for level in levels]
+
+
+def test_a_clean_step_down_is_a_regression_named_by_its_first_label() -> None:
+    values = noisy([100.0] * 7 + [90.0] * 5)
+    found = analyse(values, higher_is_better=True, threshold_pct=2)
+    assert [s.index for s in found.steps] == [7] and found.outliers == [] and found.pending == []
+    step = found.steps[0]
+    assert step.regression and -11 < step.delta_pct < -9 and (step.n_before, step.n_after) == (7, 5)
+    assert step.p is not None and step.p < 0.01
+    first, total = regressed_since(found)
+    assert first.index == 7 and -11 < total < -9
+    assert step.describe(LABELS, "tok/s", found.limit_pct).startswith("regression of -")
+    assert "from label n07" in step.describe(LABELS, "tok/s", found.limit_pct)
+
+
+def test_a_single_outlier_is_no_step() -> None:
+    values = noisy([100.0] * 12)
+    values[5] = 80.0
+    found = analyse(values, higher_is_better=True, threshold_pct=2)
+    assert found.steps == [] and found.outliers == [5] and regressed_since(found) is None
+
+
+def test_drift_within_the_noise_is_no_step() -> None:
+    # 0.15 % a label, 1.7 % over the series, under 1 % noise: slower than any threshold can call.
+    values = noisy([100.0 * (1 + 0.0015 * i) for i in range(12)], sd_pct=1.0, seed=3)
+    found = analyse(values, higher_is_better=True, threshold_pct=2)
+    assert found.steps == [] and found.pending == []
+
+
+def test_a_step_in_the_good_direction_is_an_improvement_not_a_regression() -> None:
+    # Lower is better here (TTFT): the level falls by 15 %.
+    values = noisy([0.40] * 6 + [0.34] * 6)
+    found = analyse(values, higher_is_better=False, threshold_pct=2)
+    assert [s.index for s in found.steps] == [6] and not found.steps[0].regression
+    assert regressed_since(found) is None
+
+
+def test_one_departing_label_at_the_end_is_pending_until_the_next() -> None:
+    values = noisy([100.0] * 8 + [85.0])
+    found = analyse(values, higher_is_better=True, threshold_pct=2)
+    assert found.steps == [] and found.pending == [8] and found.pending_regression
+    confirmed = analyse(values + [85.5], higher_is_better=True, threshold_pct=2)
+    assert [s.index for s in confirmed.steps] == [8] and confirmed.pending == []
+
+
+def test_a_change_inside_the_controls_own_drift_is_no_step() -> None:
+    # 4 % is past the 2 % threshold, but two controls of one label already disagree by 6 %.
+    values = noisy([100.0] * 6 + [96.0] * 6, sd_pct=0.2)
+    found = analyse(values, higher_is_better=True, threshold_pct=2, within_drift_pct=[6.0] * 12)
+    assert found.steps == [] and found.band_pct == 6.0
+    assert [s.index for s in analyse(values, higher_is_better=True, threshold_pct=2).steps] == [6]
+
+
+def test_a_regression_then_a_recovery_leaves_nothing_to_flag() -> None:
+    values = noisy([100.0] * 4 + [90.0] * 4 + [100.0] * 4)
+    found = analyse(values, higher_is_better=True, threshold_pct=2)
+    assert [(s.index, s.regression) for s in found.steps] == [(4, True), (8, False)]
+    assert regressed_since(found) is None
