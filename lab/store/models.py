@@ -239,3 +239,18 @@ class NoiseModel(Base):
     repeats: Mapped[int]
     power: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime]
+
+
+class SeriesPoint(Base):
+    """One `lab sweep` run filed under its series (ladder, engine identity, host) with the user's label."""
+
+    __tablename__ = "series_point"
+    __table_args__ = (UniqueConstraint("series", "label"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    series: Mapped[str] = mapped_column(String(300), index=True)
+    label: Mapped[str] = mapped_column(String(200))
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id"), unique=True)
+    ladder_name: Mapped[str] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(String(200))
+    identity: Mapped[dict[str, Any]]  # engine kind, model, the control's config hash
+    created_at: Mapped[datetime]

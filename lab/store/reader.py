@@ -117,3 +117,12 @@ def verdicts(store: Store, run_id: int) -> dict[str, m.Verdict]:
         rows = s.execute(select(m.Arm.name, m.Verdict).join(m.Verdict, m.Verdict.arm_id == m.Arm.id)
                          .where(m.Verdict.run_id == run_id).order_by(m.Arm.id)).tuples().all()
         return {name: verdict for name, verdict in rows}
+
+
+def series_points(store: Store, series: str | None = None) -> list[m.SeriesPoint]:
+    """Sweep runs in the order they were filed, of one series or of all."""
+    with store.session() as s:
+        query = select(m.SeriesPoint).order_by(m.SeriesPoint.id)
+        if series is not None:
+            query = query.where(m.SeriesPoint.series == series)
+        return list(s.scalars(query).all())

@@ -159,3 +159,14 @@ def write_noise(store: Store, *, run_id: int, ladder_name: str, host: str, rows:
         s.flush()
         for row in rows:
             s.add(m.NoiseModel(run_id=run_id, ladder_name=ladder_name, host=host, created_at=now(), **row))
+
+
+def add_series_point(store: Store, *, series: str, label: str, run_id: int, ladder_name: str, host: str,
+                     identity: dict[str, Any]) -> None:
+    """File a sweep run under its series; a label already in the series is refused (ValueError)."""
+    with store.session() as s, s.begin():
+        taken = s.scalar(select(m.SeriesPoint).where(m.SeriesPoint.series == series, m.SeriesPoint.label == label))
+        if taken is not None:
+            raise ValueError(f"label {label!r} is already in series {series} (run id {taken.run_id}); pick another")
+        s.add(m.SeriesPoint(series=series, label=label, run_id=run_id, ladder_name=ladder_name, host=host,
+                            identity=_json(identity), created_at=now()))
