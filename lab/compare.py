@@ -1,9 +1,18 @@
 """`lab compare A B`: two arms side by side, metric by metric, with the KEEP verdicts behind them.
 
-A is the baseline and B the candidate: Δ % is (B − A) / |A|, and "better" follows the metric's
-declared direction. A side's value is the mean over its warm, finished boots of each boot's
-median of repeats (a control has two boots, the window's opening and closing one), the same
-figure the KEEP rule uses. The noise band of a window is how far its two controls differ.
+A is the baseline and B the candidate. Δ % is B's change from A with one sign convention, the
+KEEP rule's: better is positive, also for a lower-is-better metric ((A − B) / |A| for a latency), so
+the table and the KEEP lines never show opposite signs for the same pair. A metric with no declared
+direction shows (B − A) / |A| and is never called better or worse. A side's value is the mean over
+its warm, finished boots of each boot's median of repeats (a control has two boots, the window's
+opening and closing one), the same figure the KEEP rule uses.
+
+A change is "better" or "worse" only outside the noise band: the widest of the KEEP threshold, the
+controls' drift of each window involved, and the minimum detectable effect of the stored verdict on
+that metric; inside it the row says "within noise" and names what set the band.
+
+Numbers are never cut short: a table wider than the terminal (or than 80 columns when piped) is
+printed at the width it needs, and `--json` gives the same comparison for machines.
 
 Statistics only where there are repeats, and the table says which was used:
 - a percentile bootstrap 95 % interval of the ratio of medians when each side has ≥ 2 samples;
@@ -24,6 +33,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 from sqlalchemy import func, select
 
@@ -87,7 +97,7 @@ class Statistics:
     short: str  # for a table cell
     n_a: int
     n_b: int
-    ci_low_pct: float | None = None  # of (median B / median A − 1), in percent
+    ci_low_pct: float | None = None  # of median B / median A in percent, better positive like Δ %
     ci_high_pct: float | None = None
     ci_method: str | None = None
     mann_whitney_p: float | None = None
@@ -103,10 +113,13 @@ class Row:
     higher_is_better: bool | None
     a: float | None
     b: float | None
-    delta_pct: float | None  # (B − A) / |A| in percent
-    change: str  # better | worse | within | "" (no figure)
+    delta_pct: float | None  # B's change from A in percent, better positive (raw (B − A) / |A| without a direction)
+    change: str  # better | worse | within noise | changed (no direction) | "" (no figure)
     noise_band_pct: dict[str, float | None]  # window label -> controls' relative difference in percent
     statistics: Statistics | None
+    band_pct: float = 0.0  # the widest of threshold, drift and MDE: "better"/"worse" only beyond it
+    band_source: str = ""  # what set the band, in words
+    mde_pct: float | None = None  # the stored verdict's minimum detectable effect on this metric
     note: str = ""
     gate: dict[str, bool | None] | None = None  # for a gate: {"a": holds?, "b": holds?}
 
@@ -182,13 +195,13 @@ def compare(store: Store, a_ref: str, b_ref: str) -> Comparison:
     elif a.window != b.window:
         notes.append(f"{a.arm} and {b.arm} are in different windows ({a.window}, {b.window}): the comparison "
                      "crosses windows, and each window's noise band is shown")
-    rows = _rows(a, b, threshold)
+    verdicts_by_side = {side.ref: _verdict(side, judged[side.evidence.run_id]) for side in (a, b)}
+    rows = _rows(a, b, threshold, _mdes(verdicts_by_side[b.ref], verdicts_by_side[a.ref]))
     if spec.rule is None:
         notes.append(f"the ladder of run {b.evidence.run_name} names no key metric: every metric both sides "
                      "measured is shown, and nothing is judged")
     return Comparison(a=a, b=b, threshold_pct=threshold, rows=rows, quality=_quality(store, a, b),
-                      verdicts={side.ref: _verdict(side, judged[side.evidence.run_id]) for side in (a, b)},
-                      notes=notes)
+                      verdicts=verdicts_by_side, notes=notes)
 
 
 def _latest_run(store: Store) -> int | None:
@@ -205,7 +218,18 @@ def _verdict(side: Side, judged: dict[str, keep.Verdict]) -> dict[str, Any] | No
             "reasons": list(verdict.reasons), "detail": verdict.to_dict()}
 
 
-def _rows(a: Side, b: Side, threshold: float) -> list[Row]:
+def _mdes(*stored: dict[str, Any] | None) -> dict[str, float]:
+    """Metric label -> the minimum detectable effect its verdict states (B's verdict first, then A's)."""
+    found: dict[str, float] = {}
+    for verdict in stored:
+        for row in (verdict or {}).get("detail", {}).get("metrics", []):
+            interval = row.get("interval")
+            if interval and interval.get("mde_pct") is not None:
+                found.setdefault(row["name"], interval["mde_pct"])
+    return found
+
+
+def _rows(a: Side, b: Side, threshold: float, mdes: dict[str, float]) -> list[Row]:
     """Key metrics and gates of both ladders (B's first), or every shared metric without a rule."""
     wanted: dict[verdicts.Selector, verdicts.GateSpec | None] = {}
     for spec in (b.evidence.spec, a.evidence.spec):
@@ -217,8 +241,9 @@ def _rows(a: Side, b: Side, threshold: float) -> list[Row]:
             wanted.setdefault(gate.selector, gate)
     if not wanted:
         shared = _measured(a) & _measured(b) or _measured(a) | _measured(b)
-        return [_row(a, b, selector, "metric", None, threshold) for selector in sorted(shared, key=lambda s: s.label)]
-    return [_row(a, b, selector, "key" if gate is None else "gate", gate, threshold)
+        return [_row(a, b, selector, "metric", None, threshold, None)
+                for selector in sorted(shared, key=lambda s: s.label)]
+    return [_row(a, b, selector, "key" if gate is None else "gate", gate, threshold, mdes.get(selector.label))
             for selector, gate in wanted.items()]
 
 
@@ -227,7 +252,7 @@ def _measured(side: Side) -> set[verdicts.Selector]:
 
 
 def _row(a: Side, b: Side, selector: verdicts.Selector, kind: str, gate: verdicts.GateSpec | None,
-         threshold: float) -> Row:
+         threshold: float, mde: float | None) -> Row:
     higher = b.evidence.higher_is_better(selector)
     if higher is None:
         higher = a.evidence.higher_is_better(selector)
@@ -236,6 +261,11 @@ def _row(a: Side, b: Side, selector: verdicts.Selector, kind: str, gate: verdict
     b_medians, b_pooled, b_unit = b.samples(selector)
     a_value = _mean(a_medians)
     b_value = _mean(b_medians)
+    noise = {}
+    for side in (a, b):
+        label = side.window if a.evidence is b.evidence else f"{side.evidence.run_name}:{side.window}"
+        noise.setdefault(label, _noise(side, selector))
+    band, source = _band(threshold, noise, mde)
     delta, change, note = None, "", ""
     if a_value is None or b_value is None:
         missing = [s.ref for s, v in ((a, a_value), (b, b_value)) if v is None]
@@ -243,21 +273,30 @@ def _row(a: Side, b: Side, selector: verdicts.Selector, kind: str, gate: verdict
     elif a_value == 0:
         note = "A is 0: a relative change is undefined"
     else:
-        delta = relative_delta(b_value, a_value) + 0.0
-        if abs(delta) <= threshold or higher is None:
-            change = "within" if abs(delta) <= threshold else "changed"
+        raw = relative_delta(b_value, a_value)
+        # Adding 0.0 turns the -0.0 of an unchanged lower-is-better metric into 0.0.
+        delta = (raw if higher is not False else -raw) + 0.0
+        if abs(delta) <= band:
+            change = "within noise"
+        elif higher is None:
+            change = "changed"
         else:
-            change = "better" if (delta > 0) == higher else "worse"
-    noise = {}
-    for side in (a, b):
-        label = side.window if a.evidence is b.evidence else f"{side.evidence.run_name}:{side.window}"
-        noise.setdefault(label, _noise(side, selector))
+            change = "better" if delta > 0 else "worse"
     stats = _statistics(a_pooled, b_pooled, higher, threshold) if delta is not None else None
     holds = None if gate is None else {side: None if value is None else gate.check(value, "").passed
                                        for side, value in (("a", a_value), ("b", b_value))}
     return Row(metric=selector.label, kind=kind, rule=rule, unit=b_unit or a_unit, higher_is_better=higher,
                a=a_value, b=b_value, delta_pct=delta, change=change, noise_band_pct=noise, statistics=stats, note=note,
-               gate=holds)
+               gate=holds, band_pct=band, band_source=source, mde_pct=mde)
+
+
+def _band(threshold: float, drifts: dict[str, float | None], mde: float | None) -> tuple[float, str]:
+    """The noise band a change must clear to be called better or worse, and what set it."""
+    candidates = [(threshold, f"KEEP threshold {threshold:g} %")]
+    candidates += [(drift, f"controls' drift in {window}") for window, drift in drifts.items() if drift is not None]
+    if mde is not None:
+        candidates.append((mde, "minimum detectable effect"))
+    return max(candidates, key=lambda c: c[0])
 
 
 def _noise(side: Side, selector: verdicts.Selector) -> float | None:
@@ -284,13 +323,19 @@ def _statistics(a: list[float], b: list[float], higher: bool | None, threshold: 
     if min(a + b) <= 0:
         return Statistics("none", f"{sizes}, not all positive: no ratio interval", f"{sizes}: no CI", n_a, n_b)
     interval = bootstrap_ratio_of_medians(b, a, confidence=CONFIDENCE, seed=CI_SEED)
-    low, high = (interval.low - 1) * 100, (interval.high - 1) * 100
+    # The same sign as Δ %: better is positive, so a lower-is-better ratio is turned around.
+    if higher is False:
+        low, high = (1 - interval.high) * 100, (1 - interval.low) * 100
+        of = "of median B/A, better positive"
+    else:
+        low, high = (interval.low - 1) * 100, (interval.high - 1) * 100
+        of = "of median B/A" + (", better positive" if higher else "")
     shown = f"{CONFIDENCE * 100:g} % CI [{low:+.1f}, {high:+.1f}] %"
-    text = f"{sizes}: {shown} of median B/A (percentile bootstrap)"
+    text = f"{sizes}: {shown} {of} (percentile bootstrap)"
     if low > threshold or high < -threshold:
-        direction = "higher" if low > threshold else "lower"
-        finding = (f"B {direction}" if higher is None
-                   else "improvement" if (direction == "higher") == higher else "regression")
+        positive = low > threshold
+        finding = (f"B {'higher' if positive else 'lower'}" if higher is None
+                   else "improvement" if positive else "regression")
         text += f": {finding} established (the whole CI is beyond ±{threshold:g} %)"
         short = f"{shown} bootstrap: established"
     else:
@@ -375,13 +420,22 @@ def print_comparison(console: Console, c: Comparison) -> None:
                   f"(B, {c.b.role}, window {c.b.window}) · run {escape(runs)} · KEEP threshold "
                   f"{c.threshold_pct:g} %", highlight=False)
     table = Table(title_justify="left")
-    table.add_column("metric", no_wrap=True)
-    for name in ("rule", "A", "B", "Δ % (B vs A)", "noise band", "statistics"):
-        table.add_column(name, justify="right" if name in ("A", "B") else "left")
+    table.add_column("metric", overflow="fold")
+    table.add_column("rule", overflow="fold")
+    # Figures are never wrapped or cut: their columns keep their full width (see _wide).
+    for name in ("A", "B"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("Δ % (better +)", overflow="fold")
+    table.add_column("noise band (controls' drift · MDE)", overflow="fold")
+    table.add_column("statistics", overflow="fold")
     for row in c.rows:
-        delta = "–" if row.delta_pct is None else f"{row.delta_pct:+.1f} {row.change}"
+        delta = "–" if row.delta_pct is None else f"{_delta(row)} {row.change}"
+        if row.change == "within noise":
+            delta += f" ±{_pct(row.band_pct, row.band_pct)} %"
         style = {"better": "green", "worse": "red"}.get(row.change)
-        noise = ", ".join(f"{w} {'–' if v is None else f'{v:.1f} %'}" for w, v in row.noise_band_pct.items())
+        noise = ", ".join(f"{w} {'–' if v is None else f'{_pct(v, c.threshold_pct)} %'}"
+                          for w, v in row.noise_band_pct.items())
+        noise += " · MDE " + ("unknown" if row.mde_pct is None else f"±{_pct(row.mde_pct, c.threshold_pct)} %")
         stats = row.statistics.short if row.statistics else row.note
         unit = f" ({row.unit})" if row.unit else ""
         rule = f"{row.kind}: {row.rule}" if row.rule else row.kind
@@ -389,8 +443,11 @@ def print_comparison(console: Console, c: Comparison) -> None:
             rule += " (" + ", ".join(f"{side.upper()} {_holds(ok)}" for side, ok in row.gate.items()) + ")"
         table.add_row(escape(row.metric + unit), rule,
                       _num(row.a), _num(row.b), f"[{style}]{delta}[/]" if style else delta, noise, escape(stats))
-    console.print(table)
+    _wide(console, table).print(table)
     for row in c.rows:
+        if row.change == "within noise" and row.delta_pct is not None:
+            console.print(f"{escape(row.metric)}: {_delta(row)} % is within the noise band "
+                          f"±{_pct(row.band_pct, row.band_pct)} % ({row.band_source})", highlight=False)
         if row.statistics is not None and row.statistics.test != "none":
             console.print(f"{escape(row.metric)}: {escape(row.statistics.text)}", highlight=False)
     qeval = c.quality.qeval
@@ -428,11 +485,34 @@ def print_comparison(console: Console, c: Comparison) -> None:
         console.print(f"note: {escape(note)}", style="dim", highlight=False)
 
 
+def _wide(console: Console, table: Table) -> Console:
+    """`console`, or one as wide as the table needs when it is narrower: rich would otherwise shrink
+    the figure columns and cut their digits ("107…"), which a piped `lab compare` then keeps."""
+    needed = Measurement.get(console, console.options.update(max_width=10_000), table).minimum
+    if needed <= console.width:
+        return console
+    colours = console.color_system  # the name rich resolved ("truecolor", ...) or None when it writes none
+    return Console(file=console.file, width=needed, force_terminal=console.is_terminal,
+                   color_system=colours, no_color=console.no_color, highlight=False)  # type: ignore[arg-type]
+
+
+def _delta(row: Row) -> str:
+    assert row.delta_pct is not None
+    return _pct(row.delta_pct, row.band_pct, signed=True)
+
+
+def _pct(value: float, edge: float, signed: bool = False) -> str:
+    """A percentage with the precision the rule needs: one decimal, or more where one decimal would
+    print a value on the wrong side of (or exactly at) the edge it is compared with."""
+    return keep.pct_text(value, edge, signed=signed)
+
+
 def _holds(ok: bool | None) -> str:
     return "–" if ok is None else "[green]holds[/]" if ok else "[red]fails[/]"
 
 
 def _num(value: float | None) -> str:
+    """A figure in full from 100 up (every digit before the point, one after it); four significant digits below."""
     if value is None:
         return "–"
     return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4g}"

@@ -188,6 +188,7 @@ class Verdict:
     gates: dict[str, GateResult | None]
     excluded_boots: list[str]  # labels of cold boots left out of every figure
     threshold_pct: float
+    drift_limit_pct: float | None = None  # the controls' drift beyond which a one-boot window is void
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain strings, numbers, lists and dicts; no NaN."""
@@ -195,6 +196,7 @@ class Verdict:
             "decision": str(self.decision),
             "reasons": list(self.reasons),
             "threshold_pct": self.threshold_pct,
+            "drift_limit_pct": self.drift_limit_pct,
             "excluded_boots": list(self.excluded_boots),
             "metrics": [{**asdict(row), "status": str(row.status), "control_values": list(row.control_values)}
                         for row in self.metrics],
@@ -292,7 +294,8 @@ def judge(rule: KeepRule, evidence: ArmEvidence) -> Verdict:
     # Stable sort: the deciding findings lead, everything else keeps the order it was found in.
     reasons = [f.text for f in sorted(findings, key=lambda f: f.kind != deciding)]
     return Verdict(decision=decision, reasons=reasons, metrics=rows, gates=gates,
-                   excluded_boots=excluded, threshold_pct=rule.threshold_pct)
+                   excluded_boots=excluded, threshold_pct=rule.threshold_pct,
+                   drift_limit_pct=rule.drift_limit_pct)
 
 
 def _placed(evidence: ArmEvidence, arm_boots: list[BootValues],
@@ -350,12 +353,12 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
         return _judge_interval(rule, metric, base, found, shown_controls, drift, row_fields)
 
     if drift_voids:
-        text = (f"controls drift {_pct(drift, rule.drift_limit_pct, signed=False)} % > "
+        text = (f"controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % > "
                 f"{rule.drift_limit_pct:g} % on {name} ({shown_controls}): window inconclusive")
         return replace(base, status=MetricStatus.DRIFT, **row_fields), _Finding(_Kind.WINDOW_VOID, text)
 
     threshold = rule.threshold_pct
-    shown_delta = _pct(delta, threshold, signed=True)
+    shown_delta = pct_text(delta, threshold, signed=True)
     tail = f" vs {shown_controls}: arm {_num(arm_value)}" + ("" if metric.higher_is_better else " (lower is better)")
     if delta > threshold:
         status, kind = MetricStatus.IMPROVED, _Kind.IMPROVEMENT
@@ -375,8 +378,9 @@ def _judge_interval(rule: KeepRule, metric: KeyMetric, base: MetricRow, found: I
                     drift: float | None, row_fields: dict[str, Any]) -> tuple[MetricRow, _Finding]:
     """A metric judged by where its interval lies against ±threshold (module docstring)."""
     name, threshold = metric.name, rule.threshold_pct
-    shown = (f"{name} {_pct(found.effect_pct, threshold, signed=True)} % "
-             f"[{_pct(found.low_pct, threshold, signed=True)}, {_pct(found.high_pct, threshold, signed=True)}] % "
+    shown = (f"{name} {pct_text(found.effect_pct, threshold, signed=True)} % "
+             f"[{pct_text(found.low_pct, threshold, signed=True)}, "
+             f"{pct_text(found.high_pct, threshold, signed=True)}] % "
              f"({found.confidence * 100:g} % CI, better is positive)")
     needed = None
     if found.low_pct > threshold:
@@ -391,7 +395,7 @@ def _judge_interval(rule: KeepRule, metric: KeyMetric, base: MetricRow, found: I
         what = (f"undecided: the interval straddles ±{threshold:g} %; "
                 + (f"about {needed} boots of the arm would resolve it at the measured noise" if needed else
                    f"more than {effects.MAX_SUGGESTED_REPEATS} boots would be needed at the measured noise"))
-    drift_text = (f"; controls drift {_pct(drift, rule.drift_limit_pct, signed=False)} % ({shown_controls}), "
+    drift_text = (f"; controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % ({shown_controls}), "
                   "interpolated at each arm boot" if drift else "")
     text = f"{shown}: {what}{drift_text}"
     return replace(base, status=status, repeats_needed=needed, **row_fields), _Finding(kind, text)
@@ -448,10 +452,11 @@ def _num(value: float) -> str:
     return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
 
 
-def _pct(value: float, threshold: float, signed: bool) -> str:
+def pct_text(value: float, threshold: float, signed: bool) -> str:
     """A percentage with one decimal, or more when one would print a value as the threshold itself.
 
     "+2.0 % (> 2 %)" would read as a contradiction when the value is 2.04; show "+2.04" instead.
+    Compare and the report print drift and Δ % with it too, so they show what the rule compared.
     """
     for digits in range(1, 7):
         text = f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"

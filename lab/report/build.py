@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pandas as pd
 from sqlalchemy import func, select
 
 from lab import verdicts
@@ -55,7 +56,7 @@ def write_report(store: Store, ref: str | None, out: str | Path = "reports") -> 
     for figure in drawn:
         if figure.png is not None:
             (directory / f"{figure.name}.png").write_bytes(figure.png)
-    blocks = _blocks(data, ladder.description, drawn)
+    blocks = _blocks(data, ladder.description, drawn, _calibration(store, run_id, data.run["ladder_name"]))
     title = f"Run {name}"
     (directory / "index.md").write_text(doc.markdown(title, blocks))
     (directory / "index.html").write_text(doc.html_document(title, blocks))
@@ -63,7 +64,21 @@ def write_report(store: Store, ref: str | None, out: str | Path = "reports") -> 
     return directory
 
 
-def _blocks(data: RunData, description: str, drawn: list[Drawn]) -> list[doc.Block]:
+def _calibration(store: Store, run_id: int, ladder_name: str) -> pd.DataFrame:
+    """The newest noise model of the run's ladder on the host it booted on (what its verdicts used),
+    with the calibration run's name; empty when that ladder was never calibrated there."""
+    host = reader.boot_host(store, run_id)
+    rows = reader.latest_noise(store, ladder_name, host) if host is not None else []
+    if not rows:
+        return pd.DataFrame()
+    with store.session() as s:
+        name = s.get_one(m.Run, rows[0].run_id).name
+    return pd.DataFrame([{"metric": r.metric, "run_name": name, "boots": r.boots, "sd_log": r.sd_log,
+                          "drift_pct": r.drift_pct, "mde_pct": r.mde_pct, "repeats": r.repeats, "power": r.power,
+                          "created_at": r.created_at} for r in rows])
+
+
+def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataFrame) -> list[doc.Block]:
     run = data.run
     figures = {d.name: d for d in drawn}
     boots = data.boots
@@ -84,6 +99,18 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn]) -> list[doc.Blo
         blocks.append(doc.TableBlock(keep, row_class="verdict"))
         blocks.append(doc.Items([f"{arm}: " + " · ".join(why) for arm, why in tables.reasons(data).items()]))
     blocks.append(doc.FigureBlock(figures["keep"]))
+
+    blocks.append(doc.Heading("Calibration"))
+    if noise.empty:
+        blocks.append(doc.Paragraph("No calibration of this ladder on this host: a metric judged on one boot per "
+                                    "arm has no interval and no known minimum detectable effect "
+                                    "(`lab calibrate LADDER` measures them).", note=True))
+    else:
+        blocks.append(doc.Paragraph("Boot-to-boot noise of each key metric measured by A/A boots of the control "
+                                    "(`lab calibrate`), which the verdicts above pool into their intervals; the "
+                                    "MDE is the smallest effect the ladder's design resolves with that power at "
+                                    "95 % confidence."))
+        blocks.append(doc.TableBlock(tables.calibration_table(noise)))
 
     for name, heading in (("decode_ladder", "Decode ladder"), ("prefill", "Prefill"), ("needle", "Needle retrieval"),
                           ("mixed", "Mixed traffic")):

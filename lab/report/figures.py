@@ -1,10 +1,10 @@
 """The report's figures, drawn with matplotlib's Agg canvas into PNG bytes.
 
 Each figure reads one instrument's cells from warm, finished boots only (a cold boot is never a
-figure) and plots one line, bar group or panel per boot, in slot order: arms in colour, their
-window's controls in black and grey, dashed, so the distance between the two controls (the
-window's noise) is visible next to every arm. A figure whose instrument is not in the run is
-skipped with the reason, never an error.
+figure) and plots one line, bar group or panel per boot, in slot order: one colour per arm (all its
+boots), every control in grey, dashed, so the distance between the controls (the window's noise)
+is visible next to every arm. Line legends name arms, not boots, so they fit a ladder of many
+boots. A figure whose instrument is not in the run is skipped with the reason, never an error.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib import colormaps
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import NullLocator
 
@@ -29,7 +31,11 @@ from lab.report.data import RunData
 DPI = 110
 ARM_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
                "#bcbd22", "#7f7f7f")
-CONTROL_COLOURS = {"open": "#000000", "close": "#8a8a8a"}
+CONTROL_COLOUR = "#8a8a8a"
+CONTROL_MARKERS = {"open": "s", "between": "^", "close": "D"}
+CONTROLS = "controls"
+# Legend entries per column before another column is started (8-point entries on a 4.8-inch figure).
+LEGEND_ROWS = 24
 DECISION_COLOURS = {"keep": "#2ca02c", "reject": "#d62728", "inconclusive": "#e6a700"}
 STATUS_COLOURS = {"done": "#2ca02c", "failed": "#d62728", "refused": "#ff7f0e", "died": "#9467bd",
                   "interrupted": "#7f7f7f", "starting": "#bcbd22", "ready": "#bcbd22"}
@@ -51,18 +57,29 @@ class SlotStyle:
     colour: str
     linestyle: str
     marker: str
+    group: str = ""  # the legend entry it belongs to: its arm, or CONTROLS
+
+
+def arm_colour(index: int, arms: int) -> str:
+    """The colour of the index-th arm: the ten distinct base colours, then evenly spaced hues, so
+    no two arms of a long ladder share one."""
+    if arms <= len(ARM_COLOURS):
+        return ARM_COLOURS[index]
+    red, green, blue, _ = colormaps["hsv"](index / arms)
+    return f"#{int(red * 255):02x}{int(green * 255):02x}{int(blue * 255):02x}"
 
 
 def slot_styles(slots: pd.DataFrame) -> dict[str, SlotStyle]:
-    """Slot label -> how its line looks; an arm keeps its colour in every figure."""
-    styles, arm_colour = {}, {}
-    for row in slots.sort_values("idx").itertuples():
+    """Slot label -> how its line looks; an arm keeps its colour in every figure, controls are grey."""
+    ordered = slots.sort_values("idx")
+    arms = list(dict.fromkeys(ordered.loc[ordered["role"] == "arm", "arm"]))
+    styles = {}
+    for row in ordered.itertuples():
         if row.role == "control":
-            styles[row.label] = SlotStyle(row.label, CONTROL_COLOURS.get(row.position, "#444444"), "--",
-                                          "s" if row.position == "open" else "D")
+            styles[row.label] = SlotStyle(row.label, CONTROL_COLOUR, "--", CONTROL_MARKERS.get(row.position, "s"),
+                                          CONTROLS)
         elif row.role == "arm":
-            colour = arm_colour.setdefault(row.arm, ARM_COLOURS[len(arm_colour) % len(ARM_COLOURS)])
-            styles[row.label] = SlotStyle(row.label, colour, "-", "o")
+            styles[row.label] = SlotStyle(row.label, arm_colour(arms.index(row.arm), len(arms)), "-", "o", row.arm)
     return styles
 
 
@@ -94,9 +111,9 @@ def unit_of(cells: pd.DataFrame, metric: str, fallback: str) -> str:
     return str(units[0]) if len(units) else fallback
 
 
-def line_per_slot(ax: Axes, cells: pd.DataFrame, metric: str, x: str, styles: dict[str, SlotStyle]) -> int:
-    """One line per slot; returns how many were drawn."""
-    drawn = 0
+def line_per_slot(ax: Axes, cells: pd.DataFrame, metric: str, x: str, styles: dict[str, SlotStyle]) -> list[str]:
+    """One line per slot; returns the labels of those drawn."""
+    drawn = []
     for label, group in by_slot(cells):
         series = curve(group, metric, x)
         if series.empty:
@@ -104,13 +121,27 @@ def line_per_slot(ax: Axes, cells: pd.DataFrame, metric: str, x: str, styles: di
         style = styles.get(label, SlotStyle(label, "#444444", ":", "x"))
         ax.plot(series.index.astype(float), series.values, color=style.colour, linestyle=style.linestyle,
                 marker=style.marker, label=label, linewidth=1.8, markersize=5)
-        drawn += 1
+        drawn.append(label)
     return drawn
 
 
-def legend_outside(ax: Axes, title: str = "boot") -> None:
-    ax.legend(title=title, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title_fontsize=8,
-              frameon=False)
+def legend_by_arm(ax: Axes, labels: list[str], styles: dict[str, SlotStyle]) -> None:
+    """One entry per arm drawn (its boots counted) and one for all controls, beside the axes, in as
+    many columns as it takes to fit: a ladder of 37 boots is a legend of its arms, not cut off."""
+    boots: dict[str, int] = {}
+    for label in labels:
+        group = styles[label].group if label in styles else label
+        boots[group] = boots.get(group, 0) + 1
+    handles = []
+    for group, count in boots.items():
+        style = next((styles[l] for l in labels if l in styles and styles[l].group == group), None)
+        colour, linestyle = (style.colour, style.linestyle) if style else ("#444444", ":")
+        name = "controls" if group == CONTROLS else group
+        handles.append(Line2D([], [], color=colour, linestyle=linestyle, marker="o" if group != CONTROLS else "s",
+                              label=f"{name} ({count} boot{'s' if count > 1 else ''})", linewidth=1.8,
+                              markersize=5))
+    ax.legend(handles=handles, title="arm", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+              title_fontsize=8, frameon=False, ncols=math.ceil(len(handles) / LEGEND_ROWS))
 
 
 # --- the figures ---------------------------------------------------------------------------------------------
@@ -129,15 +160,16 @@ def decode_ladder(cells: pd.DataFrame, styles: dict[str, SlotStyle]) -> Figure |
     left, right = figure.subplots(1, 2)
     panels = ((left, DECODE_AGGREGATE, "aggregate: all streams together"),
               (right, DECODE_PER_STREAM, "per stream, after its first token"))
+    drawn: list[str] = []
     for ax, metric, subtitle in panels:
-        line_per_slot(ax, cells, metric, DECODE_X, styles)
+        drawn = list(dict.fromkeys(drawn + line_per_slot(ax, cells, metric, DECODE_X, styles)))
         ax.set_title(subtitle, fontsize=10)
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(f"output tokens/s ({unit_of(cells, metric, 'tok/s')})")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    legend_outside(right)
-    figure.suptitle("Decode ladder: output throughput against concurrency (controls dashed)")
+    legend_by_arm(right, drawn, styles)
+    figure.suptitle("Decode ladder: output throughput against concurrency (controls grey, dashed)")
     return figure
 
 
@@ -146,7 +178,7 @@ def prefill(cells: pd.DataFrame, styles: dict[str, SlotStyle]) -> Figure | str:
         return "no prefill cells from a warm finished boot"
     figure = new_figure()
     ax = figure.subplots()
-    line_per_slot(ax, cells, PREFILL_METRIC, PREFILL_X, styles)
+    drawn = line_per_slot(ax, cells, PREFILL_METRIC, PREFILL_X, styles)
     ax.set_xscale("log", base=2)
     # Ticks at the measured lengths, written out: "2^9" makes a reader compute.
     lengths = sorted(cells.loc[cells["metric"] == PREFILL_METRIC, PREFILL_X].dropna().unique())
@@ -156,7 +188,7 @@ def prefill(cells: pd.DataFrame, styles: dict[str, SlotStyle]) -> Figure | str:
     ax.set_ylabel(f"prefill throughput ({unit_of(cells, PREFILL_METRIC, 'tok/s')})")
     ax.set_title("Cold prefill: prompt tokens / time to first token (median of repeats; controls dashed)")
     ax.grid(alpha=0.3, which="both")
-    legend_outside(ax)
+    legend_by_arm(ax, drawn, styles)
     return figure
 
 

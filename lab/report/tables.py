@@ -10,23 +10,35 @@ from typing import Any
 import pandas as pd
 
 from lab.instruments.base import NOT_APPLICABLE
+from lab.keep import pct_text
 from lab.report.data import RunData
 from lab.stats import paired_counts
 
 
 def keep_table(data: RunData) -> pd.DataFrame:
-    """One row per judged arm: its change, decision, each key metric's Δ %, gates, the deciding reason."""
+    """One row per judged arm: its change, decision, each key metric's Δ % (better positive, as in the
+    KEEP lines), the controls' drift and the minimum detectable effect, gates, the deciding reason.
+    Percentages carry the precision the rule compared them at: a 2.02 % drift that voided a window
+    against a 2 % limit reads 2.02, never 2.0."""
     changes = data.arms.set_index("name")["change"]
     rows = []
     for verdict in data.verdicts.itertuples():
         detail = verdict.detail
+        threshold = detail.get("threshold_pct") or 0.0
+        # Verdicts stored before the limit was recorded had none other than the threshold.
+        drift_limit = detail.get("drift_limit_pct") or threshold
         row: dict[str, Any] = {"arm": verdict.arm, "window": verdict.window, "change": _change(changes[verdict.arm]),
                                "verdict": verdict.decision}
         for metric in detail.get("metrics", []):
             delta = metric.get("delta_pct")
-            row[f"{metric['name']} Δ %"] = "–" if delta is None else f"{delta:+.1f}"
+            row[f"{metric['name']} Δ % (better +)"] = ("–" if delta is None
+                                                       else pct_text(delta, threshold, signed=True))
             drift = metric.get("drift_pct")
-            row[f"{metric['name']} controls apart %"] = "–" if drift is None else f"{drift:.1f}"
+            row[f"{metric['name']} controls apart %"] = ("–" if drift is None
+                                                         else pct_text(drift, drift_limit, signed=False))
+            interval = metric.get("interval")
+            row[f"{metric['name']} MDE %"] = ("unknown" if not interval
+                                              else f"±{pct_text(interval['mde_pct'], threshold, signed=False)}")
         for gate, result in detail.get("gates", {}).items():
             row[f"gate {gate}"] = "no result" if result is None else "holds" if result["passed"] else "fails"
         row["because"] = verdict.reasons[0] if verdict.reasons else ""
@@ -105,6 +117,18 @@ def figures_table(data: RunData) -> pd.DataFrame:
     order = cells.drop_duplicates("boot").sort_values("idx")["boot"]
     table = table[[b for b in order if b in table.columns] + (["note"] if "note" in table.columns else [])]
     return table.reset_index().rename(columns={"params_text": "params"})
+
+
+def calibration_table(noise: pd.DataFrame) -> pd.DataFrame:
+    """The noise models (`lab calibrate`) the run's verdicts drew on, one row per key metric."""
+    return pd.DataFrame({
+        "metric": noise["metric"], "calibration run": noise["run_name"], "control boots": noise["boots"],
+        "boot-to-boot SD %": noise["sd_log"].map(lambda v: f"{v * 100:.2f}"),
+        "controls' drift %": noise["drift_pct"].map(lambda v: f"{v:.2f}"),
+        "MDE %": [f"±{mde:.2f} at {repeats} repeat{'s' if repeats > 1 else ''}, {power * 100:g} % power"
+                  for mde, repeats, power in zip(noise["mde_pct"], noise["repeats"], noise["power"])],
+        "measured": noise["created_at"].map(lambda t: f"{t:%Y-%m-%d %H:%M} UTC"),
+    })
 
 
 def boots_table(data: RunData) -> pd.DataFrame:

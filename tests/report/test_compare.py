@@ -31,7 +31,8 @@ def test_repeats_on_both_sides_give_a_bootstrap_interval_of_the_median_ratio(sto
     stats = row.statistics
     # Every resample of four equal values has the same median: the interval is exactly the ratio.
     assert (stats.ci_low_pct, stats.ci_high_pct) == (pytest.approx(10.0), pytest.approx(10.0))
-    assert stats.text.startswith("n 4 vs 4: 95 % CI [+10.0, +10.0] % of median B/A (percentile bootstrap): "
+    assert stats.text.startswith("n 4 vs 4: 95 % CI [+10.0, +10.0] % of median B/A, better positive "
+                                 "(percentile bootstrap): "
                                  "improvement established (the whole CI is beyond ±2 %)")
     assert stats.mann_whitney_method == "normal approximation, tie-corrected"  # all values tie within a side
 
@@ -151,7 +152,10 @@ def test_lab_compare_json_is_the_same_comparison_for_machines(quickstart: Quicks
     assert [(row["metric"], row["kind"]) for row in data["rows"]] == (
         [(label_of(ref), "key") for ref in keep.metric_refs()] + [(gate.metric, "gate") for gate in keep.gates])
     row = data["rows"][0]
-    assert row["a"] > 0 and row["b"] > 0 and row["delta_pct"] == pytest.approx((row["b"] - row["a"]) / row["a"] * 100)
+    change = (row["b"] - row["a"]) / row["a"] * 100
+    # Better is positive: a lower-is-better metric's change is turned around.
+    assert row["a"] > 0 and row["b"] > 0 and row["delta_pct"] == pytest.approx(
+        change if row["higher_is_better"] else -change)
     assert data["verdicts"]["C2nopc"]["decision"] in ("keep", "reject", "inconclusive")
     assert data["a"]["boots"] == ["C0ctl/open", "C0ctl/close"] and data["b"]["boots"] == ["C2nopc"]
 

@@ -134,11 +134,11 @@ def legend(figure: Figure) -> list[str]:
     return [t.get_text() for t in legends[0].get_texts()]
 
 
-def test_decode_ladder_draws_both_panels_one_line_per_warm_boot_controls_dashed(constructed) -> None:
+def test_decode_ladder_draws_both_panels_one_line_per_warm_boot_controls_grey_dashed(constructed) -> None:
     data, styles = constructed
     figure = figures.decode_ladder(data.instrument_cells("decode"), styles)
     left, right = figure.axes
-    assert legend(figure) == ["C0ctl/open", "A1", "C0ctl/close"]  # the cold A2 is no figure
+    assert legend(figure) == ["controls (2 boots)", "A1 (1 boot)"]  # the cold A2 is no figure
     assert [line.get_linestyle() for line in left.get_lines()] == ["--", "-", "--"]
     assert list(left.get_lines()[1].get_ydata()) == pytest.approx([12.0, 21.6, 36.0, 52.8])
     assert list(right.get_lines()[1].get_ydata()) == pytest.approx([12.0, 10.8, 9.0, 6.6])
@@ -154,7 +154,7 @@ def test_prefill_is_median_throughput_against_a_log_length_axis(constructed) -> 
     assert ax.get_xscale() == "log" and "tokens" in ax.get_xlabel() and "tok/s" in ax.get_ylabel()
     assert list(ax.get_lines()[0].get_xdata()) == [128, 512, 2048]
     assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([397.8, 388.2, 349.8])  # median of the repeats
-    assert legend(figure) == ["C0ctl/open", "A1", "C0ctl/close"]
+    assert legend(figure) == ["controls (2 boots)", "A1 (1 boot)"]
     assert_png(figures.png(figure))
 
 
