@@ -131,6 +131,14 @@ class AgreementInstrument:
             "errors": "lower",
         }
 
+    def cell_params(self, params: BaseModel) -> dict[str, list[dict[str, Any]]]:
+        """One cell per summary metric, and one first_divergence per prompt the ladder asks for."""
+        assert isinstance(params, AgreementParams)
+        n, _ = params.size()
+        cells: dict[str, list[dict[str, Any]]] = {metric: [{}] for metric in self.metrics(params)}
+        cells["first_divergence"] = [{"prompt": name} for name, _ in PROMPTS[:n]]
+        return cells
+
     def plan(self, params: BaseModel) -> list[Step]:
         assert isinstance(params, AgreementParams)
         n, max_tokens = params.size()

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Callable, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -129,6 +129,15 @@ class QevalInstrument:
             "gate_pass": "higher",
             "unpaired_tasks": "lower",
         }
+
+    def cell_params(self, params: BaseModel) -> dict[str, list[dict[str, Any]]]:
+        """One cell per metric, and one category_score per category of the selected tasks: so a
+        KEEP `where` naming a category the ladder does not ask for is refused before anything boots."""
+        assert isinstance(params, QevalParams)
+        categories = sorted({t.category for t in select_tasks(params, load_tasks())})
+        cells: dict[str, list[dict[str, Any]]] = {metric: [{}] for metric in self.metrics(params)}
+        cells["category_score"] = [{"category": category} for category in categories]
+        return cells
 
     def plan(self, params: BaseModel) -> list[Step]:
         assert isinstance(params, QevalParams)

@@ -101,6 +101,49 @@ def test_ladder_is_refused_at_its_line_before_anything_runs(tmp_path: Path, raw:
     assert all("\n" not in text for text in caught.value.lines())
 
 
+# Quality instruments on real weights (on random weights they are refused outright).
+QUALITY = """\
+name: q
+engine: {kind: bundled, model: smollm2-135m, flags: {device: cpu}}
+windows:
+  - name: W1
+    arms:
+      - {name: A1, flags: {max-num-seqs: 4}}
+instruments:
+  qeval: {categories: [code, arithmetic]}
+  agreement: {prompts: 2}
+keep:
+  metrics: [{metric: agreement.first_divergence, where: {prompt: code_fibonacci}}]
+  gates:
+    - {metric: qeval.category_score, where: {category: code}, min: 0}
+"""
+
+
+@pytest.mark.parametrize("old,new,line,words", [
+    ("{category: code}", "{categroy: code}", 13,
+     "keep.gates[0]: qeval.category_score: unknown where key 'categroy' (its cells have category)"),
+    ("{category: code}", "{category: json}", 13,
+     "keep.gates[0]: qeval.category_score: where {category: 'json'} matches no cell (category: 'arithmetic', 'code')"),
+    ("{prompt: code_fibonacci}", "{prompt: numbers_count}", 11,
+     "keep.metrics[0]: agreement.first_divergence: where {prompt: 'numbers_count'} matches no cell "
+     "(prompt: 'code_fibonacci', 'prose_harbour')"),
+    ("[{metric: agreement.first_divergence, where: {prompt: code_fibonacci}}]", "[agreement.first_divergence]", 11,
+     "agreement.first_divergence: no where matches 2 cells per boot"),
+], ids=["qeval misspelt key", "qeval category not asked for", "agreement prompt not asked for",
+        "agreement per-prompt metric without where"])
+def test_quality_instruments_declare_their_cells_so_where_is_checked(tmp_path: Path, old: str, new: str, line: int,
+                                                                     words: str) -> None:
+    path = tmp_path / "q.yaml"
+    path.write_text(QUALITY)
+    load_ladder(path, host=HOST)  # as written, every key selects one cell
+    assert old in QUALITY
+    path.write_text(QUALITY.replace(old, new))
+    with pytest.raises(LadderError) as caught:
+        load_ladder(path, host=HOST)
+    found = [p for p in caught.value.problems if words in p.reason]
+    assert found and found[0].line == line, str(caught.value)
+
+
 def test_the_good_ladder_is_accepted_and_aliases_within_bounds_are_kept(tmp_path: Path) -> None:
     path = tmp_path / "good.yaml"
     path.write_text(variant("name: t\n", "name: t\ndescription: &why tune the step budget\n")
