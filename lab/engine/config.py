@@ -57,6 +57,9 @@ class EngineConfig:
     overlap_decode: str = _knob("auto", "queue each decode step on the device before reading the previous "
                                 "step's tokens, hiding host work (auto = on with CUDA)", ("auto", "on", "off"))
     max_logprobs: int = _knob(20, "most top_logprobs a request may ask for")
+    cpu_products: str = _knob("measured", "CPU products x @ w^T: measured = the layout timed fastest on this host for "
+                              "each weight shape and row count (timed at the first load, cached per host), "
+                              "linear = always F.linear", ("measured", "linear"))
     gil_switch_interval_ms: float = _knob(5.0, "served engine: longest the HTTP event loop holds the GIL while the "
                                           "step loop waits for it (sys.setswitchinterval; Python's default is 5)")
     inject_step_delay_ms: float = _knob(0.0, "known cost for measuring the lab's power: sleep this long in every "

@@ -51,6 +51,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8")
 
 _builds: list[Path] = []
+_writes: list[Path] = []
 # Choices this process measured but did not write, by choices file: its later loads use the same
 # layouts rather than measuring again, so two engines in one process compute the same sums.
 _unwritten: dict[Path, dict[str, list[dict]]] = {}
@@ -62,6 +63,12 @@ def choice_builds() -> list[Path]:
     load whose every choice came from the file adds nothing, so comparing the length before and
     after a load says whether it built."""
     return list(_builds)
+
+
+def choice_writes() -> list[Path]:
+    """The choices files this process measured for and wrote, one entry per load that did: what a
+    later boot on this host reuses (a measurement too busy to be written is reused by none)."""
+    return list(_writes)
 
 
 def narrow_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -218,6 +225,8 @@ class CpuLinear:
                          "host (%s; threads waited for a core %.0f%% of the time); choices in %s", len(unique),
                          wall, host["cpu"], 100 * waiting, path)
                 written = _write(path, host, stored)
+                if written:
+                    _writes.append(path)
             if not written:
                 _unwritten.setdefault(path, {}).update({key: stored[key] for key in unique})
         narrow = {}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.engine import cpu_linear
 from lab.engine.block_manager import BlockManager
 from lab.engine.config import ConfigError, EngineConfig
 from lab.engine.loader import LoadedModel, load_model
@@ -51,6 +52,7 @@ class LLMEngine:
         started = time.monotonic()
         # Before the load and the runner's warm-up, which are what may build a cache.
         self.caches = BuiltCaches.snapshot()
+        products_before = len(cpu_linear.choice_writes())
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, seed=config.seed)
         self.caches.record_weights(self.loaded.cache_path if self.loaded.cold else None)
         self.model_config = self.loaded.config
@@ -60,6 +62,7 @@ class LLMEngine:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's context of "
                               f"{self.model_config.max_position_embeddings} tokens")
         self.runner = ModelRunner(config, self.loaded, self.device, self.dtype, self.max_model_len)
+        self.caches.record_products(cpu_linear.choice_writes()[products_before:])
         self.loaded.weights = {}  # the model holds its own (fused) references now
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < self.max_model_len:

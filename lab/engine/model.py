@@ -52,7 +52,7 @@ class Ops:
 
 class Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
-                 max_positions: int, ops: Ops | None = None) -> None:
+                 max_positions: int, ops: Ops | None = None, cpu_products: str = "measured") -> None:
         self.config = config
         self.attention = attention
         self.ops = ops or Ops()
@@ -89,7 +89,7 @@ class Model:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         self.cpu_linear: CpuLinear | None = None
-        if self.on_cpu:
+        if self.on_cpu and cpu_products == "measured":
             self.cpu_linear = CpuLinear.for_model([(lw.qkv, lw.o, lw.gate_up, lw.down) for lw in self.layers],
                                                   [self.lm_head])
 

@@ -112,7 +112,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids)  # masked before a request's min_tokens
         self.attention, ops = make_backends(config, device, max_model_len)
-        self.model = Model(loaded.config, loaded.weights, self.attention, max_positions=max_model_len, ops=ops)
+        self.model = Model(loaded.config, loaded.weights, self.attention, max_positions=max_model_len, ops=ops,
+                           cpu_products=config.cpu_products)
         self.kv_dtype = kv_cache_dtype(config, dtype)
         self.num_blocks = self._num_blocks()
         mc = loaded.config

@@ -2,8 +2,12 @@
 later boot reuses what it built and skips that work, so the lab leaves a cold boot's figures out
 of its verdicts.
 
-Two caches qualify. The dequantized-GGUF weight cache (`weight_cache.py`) is built at load; the
-loader knows whether it was. Triton's kernel cache is filled when the CUDA kernels in `kernels/`
+Three caches qualify. The dequantized-GGUF weight cache (`weight_cache.py`) is built at load; the
+loader knows whether it was. On the CPU, the file of product layouts measured on this host
+(`cpu_linear.py`) is measured and written at load when it lacks one of the model's shapes. A
+load that measured while the host was too busy to trust the figures writes nothing, so no later
+boot reuses its layouts and it is not cold; its layouts may differ from the next boot's, which
+is boot-to-boot noise that the window's controls see. Triton's kernel cache is filled when the CUDA kernels in `kernels/`
 are compiled: at warm-up and CUDA-graph capture, and at the first use of a new specialization
 while serving, so it can grow long after the engine is ready. Random `dummy:` weights are made in
 memory on every boot and reused by none, so they make no boot cold; nothing in the engine calls
@@ -24,7 +28,7 @@ from typing import Any, Mapping
 
 log = logging.getLogger(__name__)
 
-WEIGHTS, TRITON = "weights", "triton"
+WEIGHTS, TRITON, CPU_PRODUCTS = "weights", "triton", "cpu-linear"
 
 
 def triton_cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
@@ -66,6 +70,7 @@ class BuiltCaches:
     """What this process built since its snapshot, taken at engine start before the load."""
     watched: list[WatchedDirectory]
     weights_built_in: str | None = None  # the weight cache directory the load built
+    products_written: tuple[str, ...] = ()  # product-layout files the load measured and wrote
 
     @classmethod
     def snapshot(cls, environ: Mapping[str, str] = os.environ) -> BuiltCaches:
@@ -77,12 +82,18 @@ class BuiltCaches:
         """The load built the weight cache in directory `built_in` (None: it built nothing)."""
         self.weights_built_in = built_in
 
+    def record_products(self, written: list[Path]) -> None:
+        """The load measured CPU product layouts and wrote these choices files (empty: none)."""
+        self.products_written = tuple(str(p) for p in written)
+
     def built(self) -> list[dict[str, Any]]:
         """One entry per cache built since the snapshot, e.g. `{"cache": "weights", "path": ...,
         "built": true}`, `{"cache": "triton", "path": ..., "entries_added": 14}`; empty when warm."""
         found: list[dict[str, Any]] = []
         if self.weights_built_in is not None:
             found.append({"cache": WEIGHTS, "path": self.weights_built_in, "built": True})
+        for path in dict.fromkeys(self.products_written):
+            found.append({"cache": CPU_PRODUCTS, "path": path, "built": True})
         for directory in self.watched:
             added = directory.entries_added()
             if added:

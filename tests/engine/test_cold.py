@@ -1,6 +1,6 @@
 """A boot is cold when it built an on-disk cache that later boots reuse, and /v1/stats says which:
-the GGUF weight cache at load, Triton's kernel cache whenever a kernel compiles. Random weights are
-no cache."""
+the GGUF weight cache at load, the CPU product layouts measured at load, Triton's kernel cache
+whenever a kernel compiles. Random weights are no cache."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lab.engine.cpu_linear import choices_path
 from lab.engine.warm_caches import BuiltCaches, triton_cache_dir
 from tests.engine.server_process import engine_server
 
 SMALL = ("--device", "cpu", "--max-model-len", "256", "--kv-cache-memory-bytes", str(32 << 20))
+LINEAR = ("--cpu-products", "linear")  # no product layouts to measure, so no layout file to build
 
 
 def test_triton_cache_dir_is_the_one_triton_uses(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -56,17 +58,26 @@ def test_first_gguf_boot_builds_the_weight_cache_and_the_second_is_warm(tmp_path
     with engine_server(tmp_path, "--model", "smollm2-135m", *SMALL, env=env) as first:
         stats = first.stats()
     assert stats["cold"] is True and stats["random_weights"] is False
-    assert stats["caches_built"] == [{"cache": "weights", "path": str(root / digest[:16]), "built": True}]
+    built = {c["cache"]: c for c in stats["caches_built"]}
+    assert built.pop("weights") == {"cache": "weights", "path": str(root / digest[:16]), "built": True}
+    # A fresh cache root has no product layouts for this host either: the load measures them, and
+    # writes them unless the host was too busy to trust the figures (then no boot reuses them).
+    layouts = choices_path(root)
+    written = layouts.exists()
+    assert built == ({"cpu-linear": {"cache": "cpu-linear", "path": str(layouts), "built": True}} if written else {})
     with engine_server(tmp_path, "--model", "smollm2-135m", *SMALL, env=env) as second:
         stats = second.stats()
-    assert stats["cold"] is False and stats["caches_built"] == []
+    if written:
+        assert stats["cold"] is False and stats["caches_built"] == []
+    else:
+        assert [c["cache"] for c in stats["caches_built"]] == (["cpu-linear"] if layouts.exists() else [])
 
 
 @pytest.mark.slow
 def test_dummy_boot_is_warm_until_a_kernel_lands_in_the_triton_cache(tmp_path: Path) -> None:
     triton = tmp_path / "triton"
     env = {"LAB_CACHE_DIR": str(tmp_path / "lab-cache"), "TRITON_CACHE_DIR": str(triton)}
-    with engine_server(tmp_path, "--model", "dummy:smollm2-135m", *SMALL, env=env) as server:
+    with engine_server(tmp_path, "--model", "dummy:smollm2-135m", *SMALL, *LINEAR, env=env) as server:
         stats = server.stats()
         assert stats["cold"] is False and stats["caches_built"] == [] and stats["random_weights"] is True
         # What a compile leaves: one directory per kernel hash, written by the engine's process.

@@ -26,7 +26,8 @@ LADDER = """\
     engine:
       kind: bundled
       model: dummy:smollm2-135m
-      flags: {device: cpu, max-model-len: 256, kv-cache-memory-bytes: 33554432}
+      # F.linear throughout: no product layouts to measure, whose file would make the first boot cold
+      flags: {device: cpu, max-model-len: 256, kv-cache-memory-bytes: 33554432, cpu-products: linear}
     windows:
       - name: W1
         control: C0ctl
