@@ -207,6 +207,101 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ladder", metavar="LADDER.yaml", help="the ladder to run and file under its series")
+    parser.add_argument("--label", required=True, help="what this point is (a commit, a date, an engine version); "
+                                                       "unique in its series")
+    parser.add_argument("--control-only", action="store_true",
+                        help="boot only each window's control (opened and closed), not its arms")
+    parser.add_argument("--name", help="name of the run (default: <ladder>-<label>-<date>-<time>)")
+    parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
+    _db_arg(parser)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from lab import sweep
+    from lab.run import execute
+    from lab.store.db import open_store
+
+    console = _console()
+    store = open_store(args.db)
+    try:
+        run, series = sweep.create(store, args.ladder, args.label, args.control_only, args.name, args.runs_dir)
+        console.print(f"run [bold]{run.name}[/] (id {run.id}) → series {series}, label {args.label}", highlight=False)
+        outcome = execute(store, run, console)
+    finally:
+        store.close()
+    if outcome.boots and not outcome.boots.get("done"):
+        _error(f"no boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
+        return 1
+    console.print(f"`lab history {series}` shows the series", highlight=False)
+    return 0
+
+
+def _history_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("series", nargs="?", metavar="SERIES",
+                        help="a series name, or a ladder name with one series; none: list the series")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when a metric's latest level is a confirmed regression (for cron or CI)")
+    parser.add_argument("--html", metavar="DIR", help="also write DIR/history-<series>/index.html")
+    _db_arg(parser)
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from lab.history import load, resolve
+    from lab.store import reader
+    from lab.store.db import open_store
+
+    out = _console(stdout=True)
+    store = open_store(args.db, create=False)
+    try:
+        if args.series is None:
+            points = reader.series_points(store)
+            for series in dict.fromkeys(p.series for p in points):
+                labels = [p.label for p in points if p.series == series]
+                out.print(f"{series}: {len(labels)} labels, {labels[0]} … {labels[-1]}", highlight=False)
+            return 0
+        history = load(store, resolve(store, args.series))
+    finally:
+        store.close()
+    _print_history(out, history)
+    if args.html:
+        from lab.history_page import write
+
+        out.print(f"history page written to {write(history, args.html)}", highlight=False)
+    if not args.check:
+        return 0
+    for line in history.pending():
+        _error(f"warning: {line}")
+    regressions = history.regressions()
+    for line in regressions:
+        _error(f"regression: {line}")
+    return 1 if regressions else 0
+
+
+def _print_history(out, history) -> None:  # rich Console, lab.history.History
+    from rich.table import Table
+
+    out.print(f"series {history.series} (KEEP threshold {history.threshold_pct:g} %)", highlight=False)
+    for mh in history.metrics:
+        table = Table("label", "run", mh.unit or "value", "control boots", "drift %", title=mh.metric)
+        for p in mh.points:
+            table.add_row(p.label, p.run, f"{p.value:.4g}" if p.value is not None else "-",
+                          ", ".join(f"{v:.4g}" for v in p.boots),
+                          f"{p.drift_pct:.2f}" if p.drift_pct is not None else "")
+        out.print(table)
+        a = mh.analysis
+        if a is None:
+            out.print("  fewer than two labels with a value: nothing to compare", highlight=False)
+            continue
+        labels = [p.label for p in mh.used]
+        out.print(f"  a departure must exceed ±{a.limit_pct:.2f} % (noise band ±{a.band_pct:.2f} %)", highlight=False)
+        for step in a.steps:
+            out.print(f"  step: {step.describe(labels, mh.unit, a.limit_pct)}", highlight=False, markup=False)
+        for i in a.outliers:
+            out.print(f"  outlier: label {labels[i]} (not a step: the next label is back)", highlight=False)
+
+
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--best", required=True, metavar="RUN",
                         help="the run (name, id, or ladder name for its latest run) whose kept arm to serve")
@@ -266,6 +361,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "report": ("write reports/<run>/ (index.html, index.md, PNG figures) for a run", _report_args, cmd_report),
     "export": ("write a run's tables as CSV, Parquet or JSON", _export_args, cmd_export),
     "schema": ("print the ladder JSON Schema (for editor completion)", _schema_args, cmd_schema),
+    "sweep": ("run a ladder (or its controls) and file it under its series with a label, for `lab history`",
+              _sweep_args, cmd_sweep),
+    "history": ("a series' KEEP metrics across labels with steps; --check fails on a regression", _history_args,
+                cmd_history),
     "serve": ("serve the arm a run's KEEP rule kept, exactly as it was measured (`--print`: show the command)",
               _serve_args, cmd_serve),
     "engine": ("the bundled engine: `lab engine serve [flags]`", _engine_args, cmd_engine),

@@ -70,3 +70,16 @@ def test_a_regression_then_a_recovery_leaves_nothing_to_flag() -> None:
     found = analyse(values, higher_is_better=True, threshold_pct=2)
     assert [(s.index, s.regression) for s in found.steps] == [(4, True), (8, False)]
     assert regressed_since(found) is None
+
+
+def test_history_check_names_the_metric_the_change_and_the_first_label_of_the_regression() -> None:
+    from lab.history import History, MetricHistory, Point
+
+    values = noisy([200.0] * 6 + [180.0] * 3)
+    points = [Point(label, f"run-{label}", v, [v], None) for label, v in zip(LABELS, values)]
+    mh = MetricHistory("decode.agg_tok_s[level=4]", "tok/s", True, points,
+                       analyse(values, higher_is_better=True, threshold_pct=2))
+    history = History("nightly@host:abcd1234", 2.0, [mh])
+    [line] = history.regressions()
+    assert line.startswith("decode.agg_tok_s[level=4] regressed -9.") and "since label n06 (run run-n06)" in line
+    assert history.pending() == []
