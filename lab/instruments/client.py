@@ -32,7 +32,7 @@ from typing import Any, cast
 import httpcore
 import httpx
 
-from lab.instruments.receipt import Receipt, TokenLogprob
+from lab.instruments.receipt import DEFAULT_LATE_READ_MS, Receipt, TokenLogprob
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -440,11 +440,15 @@ class StreamingClient:
     `base_url` is the server root (a trailing `/v1` is accepted). `timeout` bounds every wait on
     the network: connecting, writing, and the gap before the next bytes of a response.
     `max_connections` sizes the keep-alive pool and caps `run_all`'s concurrency.
+    `late_read_ms` is how far behind arrival a stream may be read before its receipt is marked
+    `unvouched` (so are streams with coalesced chunks).
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
-                 max_connections: int = 256, kernel_timestamps: bool = True) -> None:
+                 max_connections: int = 256, kernel_timestamps: bool = True,
+                 late_read_ms: float = DEFAULT_LATE_READ_MS) -> None:
         base_url = base_url.rstrip("/")
+        self._late_read_ns = int(late_read_ms * 1e6)
         self.base_url = base_url.removesuffix("/v1")
         self.max_connections = max_connections
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
@@ -503,6 +507,7 @@ class StreamingClient:
                 receipt.error = f"{type(exc).__name__}: {exc}"
         if receipt.t_done_ns is None:
             receipt.t_done_ns = time.perf_counter_ns()
+        receipt.unvouched = receipt.unvouched_reason(self._late_read_ns)
         return receipt
 
     async def run_all(self, payloads: Sequence[Mapping[str, Any]], concurrency: int, *,

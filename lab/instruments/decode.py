@@ -17,6 +17,12 @@ KEEP rule's median of two repeats is their mean. Per category: `category_stream_
 params `{level, category}`. Where the engine's `/metrics` counts speculative decoding (vLLM's
 `spec_decode_num_accepted_tokens` and friends), the counters' change over the level gives
 `spec_acceptance` and `spec_tokens_per_step`; otherwise those cells are not written.
+
+Streams the client cannot vouch for (chunks that arrived coalesced, or a read later than
+`late_read_ms` after arrival: `Receipt.unvouched`) are counted in every cell built from them (the
+store's `cell.unvouched_streams`, and the note). With `unvouched: exclude` the per-stream figures
+(`stream_tok_s`, `category_stream_tok_s`, `ttft_s`) leave them out and hold only the rest; the
+wall-clock figures (`agg_tok_s`, `steady_agg_tok_s`) count every token either way.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import math
 import statistics
 from bisect import bisect_right
 from collections import defaultdict
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, conint, field_validator
 
@@ -35,7 +41,7 @@ from lab.instruments.decode_prompts import CATEGORIES
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
 from lab.instruments.prompts import chat_messages, request_salt
-from lab.instruments.receipt import Receipt
+from lab.instruments.receipt import DEFAULT_LATE_READ_MS, Receipt
 from lab.instruments.receipt_checks import failure
 
 C1_RUNS = 2
@@ -56,6 +62,11 @@ class DecodeParams(PresetParams):
         default_factory=lambda: [1, 2, 4], min_length=1, description="concurrent streams per level")
     max_tokens: conint(ge=2) = Field(  # type: ignore[valid-type]
         16, description="tokens every stream generates (ignore_eos where accepted)")
+    late_read_ms: float = Field(DEFAULT_LATE_READ_MS, gt=0, allow_inf_nan=False,
+                                description="a stream read later than this after its bytes arrived is unvouched")
+    unvouched: Literal["count", "exclude"] = Field(
+        "count", description="streams whose timing the client cannot vouch for (coalesced chunks, late reads): "
+                             "count them in each cell, or exclude them from the per-stream figures")
 
     @field_validator("levels")
     @classmethod
@@ -95,8 +106,8 @@ class DecodeInstrument:
         assert isinstance(params, DecodeParams)
         level: int = step.params["level"]
         result = StepResult()
-        async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
-                                                                 max_connections=level) as client:
+        async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key, max_connections=level,
+                                                                 late_read_ms=params.late_read_ms) as client:
             probe = await client.request({"model": ctx.model, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
                                           "messages": chat_messages(request_salt(ctx.salt, self.name, level), "Hi")})
             result.receipts.append(probe)
@@ -107,7 +118,8 @@ class DecodeInstrument:
                 first = len(result.receipts)
                 result.receipts += await client.run_all(payloads, level)
                 after = spec_counters(await extras.metrics_text())
-                result.cells += _level_cells(level, run, result.receipts, first, params.max_tokens, ignore_eos)
+                result.cells += _level_cells(level, run, result.receipts, first, params.max_tokens, ignore_eos,
+                                             exclude=params.unvouched == "exclude")
                 result.cells += spec_cells(level, run, before, after)
         return result
 
@@ -128,8 +140,9 @@ class DecodeInstrument:
 
 
 def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_tokens: int,
-                 ignore_eos: bool) -> list[Cell]:
-    """The level's and its categories' cells from the receipts `receipts[first:]`."""
+                 ignore_eos: bool, exclude: bool = False) -> list[Cell]:
+    """The level's and its categories' cells from the receipts `receipts[first:]`; with `exclude`,
+    the per-stream figures leave out the streams the client cannot vouch for."""
     names = list(CATEGORIES)
     indexes = list(range(first, len(receipts)))
     level_params = {"level": level}
@@ -137,14 +150,17 @@ def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_
     by_category: dict[str, list[int]] = defaultdict(list)
     for n, i in enumerate(indexes):
         by_category[names[n % len(names)]].append(i)
+    left_out = {i for i in indexes if exclude and receipts[i].unvouched is not None}
     cells = []
     for category, members in by_category.items():
-        rates = [r for i in members if (r := receipts[i].decode_tokens_per_s) is not None]
+        kept = [i for i in members if i not in left_out]
+        rates = [r for i in kept if (r := receipts[i].decode_tokens_per_s) is not None]
         why = next((w for i, w in failed if i in members), None) or (
-            None if len(rates) == len(members) else "a stream gave no per-token timing")
+            "every stream was unvouched and excluded" if not kept else
+            None if len(rates) == len(kept) else "a stream gave no per-token timing")
         cells.append(Cell("category_stream_tok_s", statistics.fmean(rates) if why is None else None, "tok/s",
-                          {**level_params, "category": category}, run, valid=why is None, note=why or "",
-                          requests=members))
+                          {**level_params, "category": category}, run, valid=why is None,
+                          note=why or _unvouched_note(receipts, members, left_out), requests=kept or members))
     if failed:
         why = f"{len(failed)} of {len(indexes)} requests failed, first: {failed[0][1]}"
         return cells + [Cell(metric, None, unit, level_params, run, valid=False, note=why, requests=indexes)
@@ -156,18 +172,33 @@ def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_
         note += f"; {short} streams did not produce exactly max_tokens"
     span_ns = max(r.t_done_ns or 0 for r in mine) - min(r.t_queued_ns for r in mine)
     agg = sum(r.completion_tokens for r in mine) * 1e9 / span_ns
-    stream_rates = [r.decode_tokens_per_s for r in mine]
-    stream = None if None in stream_rates else statistics.fmean(x for x in stream_rates if x is not None)
-    ttft = statistics.median((r.ttft_ns or 0) / 1e9 for r in mine)
+    kept = [i for i in indexes if i not in left_out]
+    stream_note = note + _unvouched_note(receipts, indexes, left_out, lead="; ")
+    stream_rates = [receipts[i].decode_tokens_per_s for i in kept]
+    stream = None if not kept or None in stream_rates else statistics.fmean(x for x in stream_rates if x is not None)
+    ttft = statistics.median((receipts[i].ttft_ns or 0) / 1e9 for i in kept) if kept else None
+    no_stream = "every stream was unvouched and excluded" if not kept else "a stream gave no per-token timing"
     steady, steady_note = steady_agg_tok_s(mine, level)
     return cells + [
-        Cell("agg_tok_s", agg, "tok/s", level_params, run, note=note, requests=indexes),
+        Cell("agg_tok_s", agg, "tok/s", level_params, run, note=note + _unvouched_note(receipts, indexes, set(), "; "),
+             requests=indexes),
         Cell("steady_agg_tok_s", steady, "tok/s", level_params, run, valid=steady is not None,
              note=steady_note, requests=indexes),
         Cell("stream_tok_s", stream, "tok/s", level_params, run, valid=stream is not None,
-             note=note if stream is not None else "a stream gave no per-token timing", requests=indexes),
-        Cell("ttft_s", ttft, "s", level_params, run, note=note, requests=indexes),
+             note=stream_note if stream is not None else no_stream, requests=kept or indexes),
+        Cell("ttft_s", ttft, "s", level_params, run, valid=ttft is not None, note=stream_note if kept else no_stream,
+             requests=kept or indexes),
     ]
+
+
+def _unvouched_note(receipts: list[Receipt], members: list[int], left_out: set[int], lead: str = "") -> str:
+    """How many of a cell's streams the client cannot vouch for, and whether they were left out."""
+    unvouched = [i for i in members if receipts[i].unvouched is not None]
+    if not unvouched:
+        return ""
+    excluded = sum(i in left_out for i in unvouched)
+    return (f"{lead}{len(unvouched)} of {len(members)} streams unvouched"
+            + (", excluded" if excluded else "") + f" (first: {receipts[unvouched[0]].unvouched})")
 
 
 def steady_agg_tok_s(streams: list[Receipt], level: int) -> tuple[float | None, str]:

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# How far behind the arrival of a stream's bytes the client's code may fall before it no longer
+# vouches for the stream's timing (a stall that long can hide coalesced or late-stamped chunks).
+DEFAULT_LATE_READ_MS = 50.0
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -57,6 +61,8 @@ class Receipt:
     # Worst delay between bytes of the response reaching this host and the client's code reading
     # them: how far the client itself fell behind.
     read_lag_max_ns: int = 0
+    # Why the client cannot vouch for this stream's per-token timing (`unvouched_reason`), or None.
+    unvouched: str | None = None
 
     # The store's writer (lab/store/writer.py) reads these names.
     @property
@@ -107,6 +113,21 @@ class Receipt:
         reading for longer than the gap between those tokens."""
         times = self.token_times_ns
         return sum(a == b for a, b in zip(times, times[1:]))
+
+    def unvouched_reason(self, late_read_ns: int) -> str | None:
+        """Why this stream's per-token times are not the client's to vouch for, or None: chunks
+        that arrived coalesced (they carry a later chunk's time, so a first token stamped late
+        inflates the stream's tok/s), or a read that fell behind arrival by more than the bound."""
+        if not self.token_times_ns:
+            return None
+        why = []
+        if (coalesced := self.coalesced_chunks):
+            why.append(f"{coalesced} of {len(self.token_times_ns)} token chunks arrived coalesced with the next "
+                       "(their times are upper bounds)")
+        if self.read_lag_max_ns > late_read_ns:
+            why.append(f"the client read its bytes up to {self.read_lag_max_ns / 1e6:.1f} ms after they arrived "
+                       f"(bound {late_read_ns / 1e6:g} ms)")
+        return "; ".join(why) or None
 
     @property
     def decode_tokens_per_s(self) -> float | None:

@@ -150,6 +150,9 @@ class Cell(Base):
     valid: Mapped[bool]
     note: Mapped[str] = mapped_column(Text, default="")
     request_ids: Mapped[list[Any]] = mapped_column(default=list)
+    # Streams behind it whose timing the client cannot vouch for (request.unvouched); NULL in a
+    # store written before they were counted.
+    unvouched_streams: Mapped[int | None]
 
 
 class Request(Base):
@@ -187,6 +190,7 @@ class Request(Base):
     logprobs: Mapped[list[Any] | None] = mapped_column(JSON)  # [{token, logprob, top: {token: logprob}}]
     opened_connection: Mapped[bool | None]
     read_lag_max_ns: Mapped[int | None] = mapped_column(BigInteger)  # how far the client fell behind
+    unvouched: Mapped[str | None] = mapped_column(Text)  # why the client cannot vouch for its timing
 
 
 class QevalItem(Base):

@@ -23,7 +23,8 @@ from lab.store.db import Store
 RECEIPT_FIELDS = ("endpoint", "status", "error", "t_queued_ns", "t_sent_ns", "t_first_ns", "t_last_ns", "t_done_ns",
                   "token_times_ns", "prompt_tokens", "completion_tokens", "cached_tokens", "text", "finish_reason",
                   "payload", "response", "request_id", "response_id", "chunk_tokens", "usage_present",
-                  "cached_tokens_present", "reasoning_text", "logprobs", "opened_connection", "read_lag_max_ns")
+                  "cached_tokens_present", "reasoning_text", "logprobs", "opened_connection", "read_lag_max_ns",
+                  "unvouched")
 
 
 def now() -> datetime:
@@ -112,12 +113,14 @@ def write_step(store: Store, *, slot_id: int, boot_id: int, instrument: str, ste
             s.flush()
             request_ids.append(request.id)
         for cell in result.cells:
-            ids = request_ids if cell.requests is None else [request_ids[i] for i in cell.requests]
+            indexes = range(len(request_ids)) if cell.requests is None else cell.requests
+            ids = [request_ids[i] for i in indexes]
+            unvouched = sum(getattr(result.receipts[i], "unvouched", None) is not None for i in indexes)
             params = _json(cell.params)
             s.add(m.Cell(step_id=row.id, slot_id=slot_id, boot_id=boot_id, instrument=instrument, metric=cell.metric,
                          params=params, params_key=params_key(params), repeat=cell.repeat,
                          value=None if cell.value is None else float(cell.value), unit=cell.unit, valid=cell.valid,
-                         note=cell.note, request_ids=ids))
+                         note=cell.note, request_ids=ids, unvouched_streams=unvouched))
         for item in result.items:
             s.add(m.QevalItem(step_id=row.id, slot_id=slot_id, boot_id=boot_id,
                               request_id=None if item.request is None else request_ids[item.request], task=item.task,

@@ -12,6 +12,9 @@ Each request is scripted by an extension field in its body, `x_fake` (all keys o
   itl_ms            delay between token chunks: a number, or a list used cyclically (default 10)
   tokens_per_chunk  tokens carried by each chunk (default 1)
   split_ms          write each token event in two halves, this far apart, cutting its line
+  burst             hold token events and write this many in one send (a server or proxy that
+                    coalesces): the client reads them together and cannot tell when each was made
+  burst_every       burst only every n-th completion the server serves (counting from 1)
   cached_tokens     report `prompt_tokens_details.cached_tokens`; left out of `usage` when absent
   fail              one of: status_500, malformed, error_event, drop, stall
   fail_after        token chunks written before a mid-stream failure (default 2)
@@ -27,6 +30,9 @@ vLLM's `stream_options.continuous_usage_stats` are honoured, and so are `logprob
 head (status line and headers), comment, role, part (the first half of a split event), token,
 usage, done, end (the chunked body's terminator), body (a whole non-streamed response) or fail.
 The request id is the `X-Request-Id` header. `POST /reset` forgets all of it.
+
+`FakeServer(script=...)` gives every request a default script (keys of its own `x_fake` win), for
+instruments whose requests carry no `x_fake`.
 """
 
 from __future__ import annotations
@@ -106,6 +112,11 @@ class _Connection:
             t1 = time.perf_counter_ns()
         return t0, t1
 
+    async def _write_chunks(self, record: _Record, kind: str, events: list[tuple[bytes, int]]) -> None:
+        """Several events in one send: one (t0, t1) for all of them."""
+        t0, t1 = await self._write(b"".join(b"%x\r\n%s\r\n" % (len(data), data) for data, _ in events))
+        record.writes += [{"kind": kind, "t0": t0, "t1": t1, "tokens": tokens} for _, tokens in events]
+
     async def _write_chunk(self, record: _Record, kind: str, data: bytes, tokens: int = 0) -> None:
         t0, t1 = await self._write(b"%x\r\n%s\r\n" % (len(data), data))
         record.writes.append({"kind": kind, "t0": t0, "t1": t1, "tokens": tokens})
@@ -153,7 +164,9 @@ class _Completion:
         self.record = record
         self.chat = path == "/v1/chat/completions"
         self.payload = payload
-        script = payload.get("x_fake", {})
+        script = {**conn._server.script, **payload.get("x_fake", {})}
+        every = script.get("burst_every", 1)
+        self.burst = script.get("burst", 1) if conn._server.completions % every == 0 else 1
         self.ttft_s = script.get("ttft_ms", 10) / 1e3
         itl = script.get("itl_ms", 10)
         self.itl_s = [x / 1e3 for x in (itl if isinstance(itl, list) else [itl])]
@@ -267,6 +280,7 @@ class _Completion:
                 [self._choice(None, [], None)], self._usage(0) if self.continuous_usage else None))
         sent = 0
         chunk = 0
+        held: list[tuple[bytes, int]] = []  # token events made but not yet written (burst)
         due_s = self.ttft_s
         while sent < self.n_tokens:
             if self.fail is not None and chunk == self.fail_after:
@@ -278,6 +292,13 @@ class _Completion:
             finish = "length" if sent == self.n_tokens else None
             event = self._event([self._choice("".join(tokens), tokens, finish)],
                                 self._usage(sent) if self.continuous_usage else None)
+            if self.burst > 1:
+                held.append((event, len(tokens)))
+                if len(held) == self.burst or sent == self.n_tokens:
+                    await conn._write_chunks(record, "token", held)
+                    held = []
+                chunk += 1
+                continue
             if self.split_s is not None:
                 cut = len(event) // 2
                 await conn._write_chunk(record, "part", event[:cut])
@@ -316,10 +337,12 @@ class _Completion:
 
 
 class _Server:
-    def __init__(self) -> None:
+    def __init__(self, script: dict[str, Any]) -> None:
         self.records: dict[str, _Record] = {}
         self.active = 0
         self.max_active = 0
+        self.completions = 0  # completions served since start or reset, this one included
+        self.script = script
         self._next_id = 0
 
     def new_id(self) -> str:
@@ -327,6 +350,7 @@ class _Server:
         return f"fake-{self._next_id}"
 
     def enter(self) -> None:
+        self.completions += 1
         self.active += 1
         self.max_active = max(self.max_active, self.active)
 
@@ -336,6 +360,7 @@ class _Server:
     def reset(self) -> None:
         self.records.clear()
         self.max_active = self.active
+        self.completions = 0
 
     def truth(self) -> dict[str, Any]:
         return {"requests": {rid: {"received_ns": r.received_ns, "writes": r.writes}
@@ -374,14 +399,15 @@ def arrival_offsets_ns(times_ns: list[int], record: dict[str, Any]) -> list[int]
 class FakeServer:
     """The fake server in a child process, for the length of a `with` block."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", script: dict[str, Any] | None = None) -> None:
         self.host = host
+        self.script = script or {}
         self.url = ""
         self._proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> FakeServer:
-        self._proc = subprocess.Popen([sys.executable, __file__, self.host], stdout=subprocess.PIPE,
-                                      text=True)
+        self._proc = subprocess.Popen([sys.executable, __file__, self.host, json.dumps(self.script)],
+                                      stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         port = self._proc.stdout.readline().strip()
         if not port:
@@ -403,4 +429,5 @@ class FakeServer:
 
 
 if __name__ == "__main__":
-    asyncio.run(_Server().serve(sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1", 0))
+    asyncio.run(_Server(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}).serve(
+        sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1", 0))
