@@ -1,7 +1,7 @@
 """The statistics behind verdicts: paired pass/fail tests, ratio intervals, rank tests, drift.
 
 Pure functions over plain numbers (no store, no I/O) so that `lab compare`, the KEEP rule and the
-reports all compute the same figures. Formulas follow `research/method.md` section 5.
+reports all compute the same figures.
 """
 
 from __future__ import annotations

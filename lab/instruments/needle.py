@@ -5,7 +5,8 @@ repeated across boots), planted as its own paragraph at `depth` (0 = the start o
 its end, snapped back to a sentence boundary). The user turn says what to look for before the
 text and asks for it after; the assistant's reply is prefilled with "The secret passphrase is" by
 rendering the chat template through `/tokenize` and sending the token ids to `/v1/completions`.
-Small models answer far more reliably that way (research/smollm2.md 3b). An engine without
+Small models answer far more reliably that way (SmolLM2-135M finds far more passphrases when its
+answer is started for it than when asked through the chat endpoint). An engine without
 `/tokenize` is asked through `/v1/chat/completions` without the prefill, and the note says so.
 
 The match is deterministic: answer and passphrase are lower-cased with every run of
