@@ -302,6 +302,64 @@ def _print_history(out, history) -> None:  # rich Console, lab.history.History
             out.print(f"  outlier: label {labels[i]} (not a step: the next label is back)", highlight=False)
 
 
+def _tune_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("tune", nargs="?", metavar="TUNE.yaml", help="the tune file: engine, space, objectives, "
+                                                                      "constraints, budget")
+    parser.add_argument("--name", help="the study's name (default: the tune file's name); run again to resume it")
+    parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
+    parser.add_argument("--schema", action="store_true", help="print the tune file JSON Schema and exit")
+    _db_arg(parser)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import json
+
+    from lab.tune import confirm, study
+    from lab.tune.spec import json_schema, load_tune
+    from lab.store.db import open_store
+
+    if args.schema:
+        sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+        return 0
+    if not args.tune:
+        raise UsageError("give TUNE.yaml (or --schema)")
+    console = _console()
+    tune, text = load_tune(args.tune)
+    store = open_store(args.db)
+    try:
+        outcome = study.run(store, args.tune, args.name, args.runs_dir, console)
+        console.print(f"study {outcome.study.study_name}: {outcome.complete} trials measured, {outcome.failed} "
+                      "failed", highlight=False)
+        result = confirm.confirm(store, outcome.study, tune, text, args.tune, args.runs_dir, console)
+    finally:
+        store.close()
+    if result is None:
+        _error(f"study {outcome.study.study_name}: no feasible trial differs from the base; nothing to confirm")
+        return 1
+    _print_confirmation(_console(stdout=True), tune, result)
+    if result.winner is None:
+        _error(f"no candidate was kept by the confirmation ({result.run}); the base stays")
+        return 1
+    return 0
+
+
+def _print_confirmation(out, tune, result) -> None:  # rich Console, TuneFile, lab.tune.confirm.Confirmation
+    from rich.table import Table
+
+    table = Table("arm", "trial", "params", *(f"{o.metric} trial → confirmed (moved)" for o in tune.objectives),
+                  "KEEP", title=f"confirmation {result.run}")
+    for c in result.candidates:
+        moved = [f"{t:.4g} → " + (f"{v:.4g} ({d:+.1f} %)" if v is not None and d is not None else "no value")
+                 for t, v, d in zip(c.trial_values, c.confirmed, c.moved_pct())]
+        params = ", ".join(f"{k.split(':', 1)[1]}={v}" for k, v in c.params.items())
+        table.add_row(c.arm, str(c.trial), params, *moved, f"{c.decision}: {c.reason}")
+    out.print(table)
+    if result.winner:
+        w = result.winner
+        out.print(f"winner: {w.arm} (trial {w.trial}), kept by the confirmation; serve it with "
+                  f"`lab serve --best {result.run} --arm {w.arm}`", highlight=False, markup=False)
+
+
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--best", required=True, metavar="RUN",
                         help="the run (name, id, or ladder name for its latest run) whose kept arm to serve")
@@ -365,6 +423,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
               _sweep_args, cmd_sweep),
     "history": ("a series' KEEP metrics across labels with steps; --check fails on a regression", _history_args,
                 cmd_history),
+    "tune": ("search engine settings with Optuna, one stored boot per trial, then confirm the best few against "
+             "warm controls by the KEEP rule", _tune_args, cmd_tune),
     "serve": ("serve the arm a run's KEEP rule kept, exactly as it was measured (`--print`: show the command)",
               _serve_args, cmd_serve),
     "engine": ("the bundled engine: `lab engine serve [flags]`", _engine_args, cmd_engine),

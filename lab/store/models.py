@@ -258,3 +258,22 @@ class SeriesPoint(Base):
     host: Mapped[str] = mapped_column(String(200))
     identity: Mapped[dict[str, Any]]  # engine kind, model, the control's config hash
     created_at: Mapped[datetime]
+
+
+class TuneTrial(Base):
+    """One `lab tune` trial: an Optuna trial and the one-boot run that measured it (`lab.tune`)."""
+
+    __tablename__ = "tune_trial"
+    __table_args__ = (UniqueConstraint("study", "number"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study: Mapped[str] = mapped_column(String(200), index=True)
+    number: Mapped[int]  # the Optuna trial number
+    optuna_trial_id: Mapped[int]
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id"), unique=True)
+    boot_id: Mapped[int | None] = mapped_column(ForeignKey("boot.id"))
+    params: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(16))  # running | complete | failed
+    values: Mapped[list[Any] | None] = mapped_column(JSON)
+    constraints: Mapped[list[Any] | None] = mapped_column(JSON)  # <= 0 is feasible, as Optuna reads them
+    reason: Mapped[str | None] = mapped_column(Text)  # why it failed, with the boot's log tail
+    created_at: Mapped[datetime]

@@ -126,3 +126,9 @@ def series_points(store: Store, series: str | None = None) -> list[m.SeriesPoint
         if series is not None:
             query = query.where(m.SeriesPoint.series == series)
         return list(s.scalars(query).all())
+
+
+def trials(store: Store, study: str) -> list[m.TuneTrial]:
+    with store.session() as s:
+        return list(s.scalars(select(m.TuneTrial).where(m.TuneTrial.study == study)
+                              .order_by(m.TuneTrial.number)).all())

@@ -173,3 +173,18 @@ def add_series_point(store: Store, *, series: str, label: str, run_id: int, ladd
             raise ValueError(f"label {label!r} is already in series {series} (run id {taken.run_id}); pick another")
         s.add(m.SeriesPoint(series=series, label=label, run_id=run_id, ladder_name=ladder_name, host=host,
                             identity=_json(identity), created_at=now()))
+
+
+def add_trial(store: Store, *, study: str, number: int, optuna_trial_id: int, run_id: int,
+              params: dict[str, Any]) -> None:
+    with store.session() as s, s.begin():
+        s.add(m.TuneTrial(study=study, number=number, optuna_trial_id=optuna_trial_id, run_id=run_id,
+                          params=_json(params), state="running", created_at=now()))
+
+
+def finish_trial(store: Store, study: str, number: int, **fields: Any) -> None:
+    """State, values, constraints, boot and reason of a trial once its boot ended."""
+    with store.session() as s, s.begin():
+        row = s.scalars(select(m.TuneTrial).where(m.TuneTrial.study == study, m.TuneTrial.number == number)).one()
+        for key, value in fields.items():
+            setattr(row, key, _json(value))
