@@ -33,6 +33,7 @@ from lab.slot import Interrupted
 from lab.store import reader, writer
 from lab.store.db import Store
 from lab.tune import trial as trials
+from lab.arms.ladder import Gate
 from lab.tune.spec import Param, TuneFile, load_tune
 
 log = logging.getLogger("lab.tune")
@@ -98,6 +99,9 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
                 raise Interrupted(study_name) from None
             trial.set_user_attr("boot_id", measured.boot_id)
             trial.set_user_attr(CONSTRAINTS, measured.constraints)
+            if measured.values is not None:
+                for gate, value in zip(tune.constraints, measured.constraints):
+                    trial.set_constraint(_gate_key(gate), value)  # <= 0 feasible; the samplers learn from it
             if measured.values is None:
                 trial.set_user_attr("reason", measured.reason)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
@@ -132,8 +136,12 @@ def _fail_abandoned(store: Store, study: optuna.Study, grace_s: float) -> None:
                     log.info("stopped engine pid %d left by an interrupted trial", boot.pid)
                 writer.update_boot(store, boot.id, status="interrupted", reason="lab tune was killed during this boot")
             writer.set_run_status(store, run_row.id, "interrupted", "lab tune was killed during this trial")
+            booted = [b for slot in reader.slots(store, run_row.id) for b in slot.boots]
             writer.finish_trial(store, study.study_name, frozen.number, state="failed",
+                                boot_id=booted[-1].id if booted else None,
                                 reason="interrupted: lab tune was killed during this trial")
+            if booted:
+                study._storage.set_trial_user_attr(frozen._trial_id, "boot_id", booted[-1].id)
         study._storage.set_trial_user_attr(frozen._trial_id, "reason", "interrupted: lab tune was killed")
         study._storage.set_trial_state_values(frozen._trial_id, optuna.trial.TrialState.FAIL)
         log.warning("trial %d was left running by a lab tune that is gone: failed", frozen.number)
@@ -167,13 +175,15 @@ def _suggest(trial: optuna.Trial, param: Param) -> Any:
 
 
 def _sampler(tune: TuneFile) -> optuna.samplers.BaseSampler:
-    def constraints(frozen: optuna.trial.FrozenTrial) -> Sequence[float]:
-        return frozen.user_attrs.get(CONSTRAINTS) or [0.0] * len(tune.constraints)
-
-    func = constraints if tune.constraints else None
+    # Both read the constraints each trial sets (Trial.set_constraint), so infeasible regions are learned.
     if len(tune.objectives) == 1:
-        return optuna.samplers.TPESampler(seed=tune.seed, constraints_func=func)
-    return optuna.samplers.NSGAIISampler(seed=tune.seed, constraints_func=func)
+        return optuna.samplers.TPESampler(seed=tune.seed)
+    return optuna.samplers.NSGAIISampler(seed=tune.seed)
+
+
+def _gate_key(gate: Gate) -> str:
+    where = ",".join(f"{k}={v}" for k, v in sorted(gate.where.items()))
+    return gate.metric + (f"[{where}]" if where else "")
 
 
 def _higher(tune: TuneFile, metric: str) -> bool:

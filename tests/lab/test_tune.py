@@ -1,0 +1,164 @@
+"""`lab tune` on the CPU: dummy:tiny, two knobs, five trials (one killed with kill -9 and resumed, one
+the engine refuses), then the confirmation ladder; every trial is one stored boot."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from sqlalchemy import select
+
+from lab.cli import main as lab_main
+from lab.store import models as m
+from lab.store.db import open_store
+from tests.instruments.ladder_run import REPO
+from tests.lab.test_resume import alive, stop_left_engines
+
+# Seed 4 draws max-num-seqs 0 (refused by the engine's config check) for one of the trials.
+TUNE = """\
+    name: quicktest
+    engine:
+      kind: bundled
+      model: dummy:tiny
+      flags: {device: cpu, max-model-len: 512, kv-cache-memory-bytes: 8388608, max-num-seqs: 4}
+    space:
+      - {flag: kv-cache-memory-bytes, int: {low: 4194304, high: 33554432, log: true}}
+      - {flag: max-num-seqs, choices: [0, 2, 8]}
+    objectives:
+      - {metric: memory.kv_pool_tokens}
+    constraints:
+      - {metric: memory.kv_pool_gib, max: 0.02}
+    instruments:
+      memory:
+    budget: {trials: 5}
+    seed: 4
+    confirm: {top: 2}
+    """
+
+
+def lab(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lab", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250"}, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory):
+    """The study killed (-9) while its first trial's engine runs, then resumed to the end."""
+    cwd = tmp_path_factory.mktemp("tune")
+    (cwd / "quicktest.yaml").write_text(textwrap.dedent(TUNE))
+    db = cwd / "lab.db"
+    first = subprocess.Popen([sys.executable, "-m", "lab", "tune", "quicktest.yaml"], cwd=cwd,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        orphan = _wait_for_engine(first, db)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        assert alive(orphan)  # the engine is in its own process group: it outlived lab tune
+        done = lab(cwd, "tune", "quicktest.yaml")
+        yield cwd, done, orphan
+    finally:
+        stop_left_engines(db)
+
+
+def _wait_for_engine(proc: subprocess.Popen[bytes], db: Path, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "lab tune ended before its first engine started"
+        if db.exists():
+            store = open_store(str(db))
+            try:
+                with store.session() as s:
+                    pid = s.scalar(select(m.Boot.pid).where(m.Boot.pid.is_not(None)))
+            finally:
+                store.close()
+            if pid:
+                return pid
+        time.sleep(0.1)
+    raise TimeoutError("no engine started")
+
+
+@pytest.mark.slow
+def test_every_trial_is_one_stored_boot_and_they_point_at_each_other(tuned) -> None:
+    cwd, done, orphan = tuned
+    assert done.returncode == 0, done.stdout + done.stderr
+    store = open_store(str(cwd / "lab.db"))
+    try:
+        study = optuna.load_study(study_name="quicktest", storage=store.url)
+        with store.session() as s:
+            rows = s.scalars(select(m.TuneTrial).order_by(m.TuneTrial.number)).all()
+            by_number = {t.number: t for t in study.trials}
+            assert len(study.trials) == 5 and all(t.state.is_finished() for t in study.trials)
+            for row in rows:
+                boots = s.scalars(select(m.Boot).where(m.Boot.run_id == row.run_id)).all()
+                assert len(boots) == 1 and boots[0].id == row.boot_id  # one trial, one boot
+                assert by_number[row.number].user_attrs["boot_id"] == row.boot_id
+                assert by_number[row.number].user_attrs["run"] == s.get(m.Run, row.run_id).name
+            complete = [r for r in rows if r.state == "complete"]
+            assert len(complete) == 3
+            for row in complete:
+                assert by_number[row.number].values == row.values
+                kv = row.params["flag:kv-cache-memory-bytes"]
+                assert s.get(m.Boot, row.boot_id).engine_stats["config"]["kv_cache_memory_bytes"] == kv
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_the_killed_trial_fails_its_engine_is_stopped_and_a_refused_config_fails_alone(tuned) -> None:
+    cwd, done, orphan = tuned
+    assert not alive(orphan)
+    store = open_store(str(cwd / "lab.db"))
+    try:
+        study = optuna.load_study(study_name="quicktest", storage=store.url)
+        reasons = [t.user_attrs.get("reason", "") for t in study.trials
+                   if t.state == optuna.trial.TrialState.FAIL]
+        assert reasons[0].startswith("interrupted: lab tune was killed")
+        assert any("max-num-seqs must be positive" in r for r in reasons[1:])
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_the_confirmation_judges_the_best_trials_against_the_base_and_names_the_winner(tuned) -> None:
+    cwd, done, _ = tuned
+    assert "confirmation quicktest-confirm" in done.stdout
+    assert "winner: T" in done.stdout and "kept by the confirmation" in done.stdout
+    winner = done.stdout.split("winner: ")[1].split()[0]
+    # The KEEP verdicts are the confirmation run's; memory figures do not move between boots.
+    assert "→" in done.stdout and "(+0.0 %)" in done.stdout
+    served = lab(cwd, "serve", "--best", "quicktest-confirm", "--arm", winner, "--print")
+    assert served.returncode == 0 and "--kv-cache-memory-bytes" in served.stdout
+    boots_before = _boots(cwd)
+    again = lab(cwd, "tune", "quicktest.yaml")  # a finished study: no trial, no boot runs again
+    assert again.returncode == 0 and f"winner: {winner}" in again.stdout
+    assert _boots(cwd) == boots_before
+
+
+def _boots(cwd: Path) -> int:
+    store = open_store(str(cwd / "lab.db"))
+    try:
+        with store.session() as s:
+            return len(s.scalars(select(m.Boot.id)).all())
+    finally:
+        store.close()
+
+
+def test_a_tune_file_is_refused_with_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "250")
+    bad = TUNE.replace("{flag: max-num-seqs, choices: [0, 2, 8]}", "{flag: max-num-sequences, choices: [2, 8]}") \
+        .replace("metric: memory.kv_pool_tokens", "metric: decode.agg_tok_s")
+    path = tmp_path / "bad.yaml"
+    path.write_text(textwrap.dedent(bad))
+    assert lab_main(["tune", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:8: space[1].flag: the bundled engine has no flag --max-num-sequences" in err
+    assert f"{path}:10: objectives[0].metric: no listed instrument produces decode.agg_tok_s" in err
