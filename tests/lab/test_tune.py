@@ -162,3 +162,19 @@ def test_a_tune_file_is_refused_with_file_and_line(tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err
     assert f"{path}:8: space[1].flag: the bundled engine has no flag --max-num-sequences" in err
     assert f"{path}:10: objectives[0].metric: no listed instrument produces decode.agg_tok_s" in err
+
+
+def test_the_published_schema_is_current_and_the_example_tune_file_is_valid() -> None:
+    import json
+
+    from lab.tune.spec import json_schema, load_tune
+
+    # Instruments come and go with their own params, so only the tune file's own part is compared here;
+    # `lab tune --schema > tunes/tune.schema.json` regenerates the whole.
+    committed = json.loads((REPO / "tunes" / "tune.schema.json").read_text())
+    current = json_schema()
+    assert committed["properties"] == current["properties"]
+    for part in ("Param", "IntRange", "FloatRange", "Objective", "Budget", "Confirm"):
+        assert committed["$defs"][part] == current["$defs"][part], f"regenerate it: {part} changed"
+    tune, text = load_tune(REPO / "tunes" / "quickstart.yaml")
+    assert text.startswith("# yaml-language-server: $schema=./tune.schema.json") and len(tune.space) == 2
