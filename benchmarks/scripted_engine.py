@@ -1,0 +1,145 @@
+"""A scripted-timing OpenAI-compatible engine for measuring the lab itself (issue 14's targets).
+
+It behaves like a continuously batching engine with a fixed step: one loop ticks every
+`--step-ms`, and each tick gives one token to every running stream, so the decode figures of a
+boot follow from the step alone and everything else a ladder sees is the host's own noise. Its
+known-effect knob, `--inject-step-delay-ms`, lengthens every tick that has work by exactly that
+much (as the bundled engine's knob of the same name does), so an arm with a true slowdown of
+delay / step is possible. `--noop` changes nothing: arms that set it are A/A arms.
+
+Booted by `lab run` as a `command` engine (benchmarks/ladders/scripted-*.yaml):
+    python benchmarks/scripted_engine.py --port PORT [--step-ms 10] [--inject-step-delay-ms 0.5]
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not, `usage` with
+`stream_options.include_usage`), GET /v1/models. The completion has `max_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+log = logging.getLogger("scripted_engine")
+
+
+class Stepper:
+    """The engine loop: every tick hands one token to each running stream."""
+
+    def __init__(self, step_s: float, delay_s: float) -> None:
+        self.step_s = step_s
+        self.delay_s = delay_s
+        self.running: set[asyncio.Queue[int]] = set()
+        self._work = asyncio.Event()
+
+    def join(self) -> asyncio.Queue[int]:
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        self.running.add(queue)
+        self._work.set()
+        return queue
+
+    def leave(self, queue: asyncio.Queue[int]) -> None:
+        self.running.discard(queue)
+
+    async def loop(self) -> None:
+        deadline = time.perf_counter()
+        while True:
+            if not self.running:
+                self._work.clear()
+                await self._work.wait()
+                deadline = time.perf_counter()
+            # Absolute deadlines: a late wake-up shortens the next sleep instead of adding up.
+            deadline += self.step_s + self.delay_s
+            await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+            for queue in list(self.running):
+                queue.put_nowait(1)
+
+
+def build(step_ms: float, delay_ms: float, model: str) -> Starlette:
+    stepper = Stepper(step_ms / 1e3, delay_ms / 1e3)
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    async def complete(request: Request) -> Response:
+        body: dict[str, Any] = await request.json()
+        chat = request.url.path.endswith("/chat/completions")
+        n = int(body.get("max_tokens") or 16)
+        prompt = (" ".join(str(m.get("content", "")) for m in body.get("messages", [])) if chat
+                  else str(body.get("prompt", "")))
+        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
+                 "total_tokens": len(prompt.split()) + n}
+        kind = "chat.completion" if chat else "text_completion"
+        if not body.get("stream"):
+            queue = stepper.join()
+            try:
+                for _ in range(n):
+                    await queue.get()
+            finally:
+                stepper.leave(queue)
+            text = "".join(f"t{i} " for i in range(n))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": text, "finish_reason": "length"})
+            return JSONResponse({"id": "x", "object": kind, "model": model, "choices": [choice], "usage": usage})
+
+        def event(text: str | None, finish: str | None, with_usage: bool = False) -> str:
+            choices = [] if text is None else [
+                {"index": 0, "delta": {"content": text}, "finish_reason": finish} if chat
+                else {"index": 0, "text": text, "finish_reason": finish}]
+            obj: dict[str, Any] = {"id": "x", "object": kind + ".chunk" if chat else kind, "model": model,
+                                   "choices": choices}
+            if with_usage:
+                obj["usage"] = usage
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def stream() -> Any:
+            queue = stepper.join()
+            try:
+                for i in range(n):
+                    await queue.get()
+                    yield event(f"t{i} ", "length" if i == n - 1 else None)
+            finally:
+                stepper.leave(queue)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield event(None, None, with_usage=True)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(stepper.loop())
+        yield
+        task.cancel()
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", complete, methods=["POST"]),
+                             Route("/v1/chat/completions", complete, methods=["POST"])], lifespan=lifespan)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="scripted")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="engine step: one token per running stream")
+    parser.add_argument("--inject-step-delay-ms", type=float, default=0.0, help="added to every step with work")
+    parser.add_argument("--noop", default="", help="changes nothing (A/A arms)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    log.info("scripted engine: step %.3f ms + injected %.3f ms, noop=%r", args.step_ms, args.inject_step_delay_ms,
+             args.noop)
+    uvicorn.run(build(args.step_ms, args.inject_step_delay_ms, args.model), host="127.0.0.1", port=args.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
