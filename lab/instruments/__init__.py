@@ -14,6 +14,7 @@ from lab.instruments.mixed import MixedInstrument
 from lab.instruments.needle import NeedleInstrument
 from lab.instruments.prefill import PrefillInstrument
 from lab.instruments.qeval import QevalInstrument
+from lab.instruments.soak import SoakInstrument
 
 REGISTRY: dict[str, type[Instrument]] = {
     QevalInstrument.name: QevalInstrument,
@@ -23,4 +24,5 @@ REGISTRY: dict[str, type[Instrument]] = {
     DecodeInstrument.name: DecodeInstrument,
     MixedInstrument.name: MixedInstrument,
     MemoryInstrument.name: MemoryInstrument,
+    SoakInstrument.name: SoakInstrument,
 }

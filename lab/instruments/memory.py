@@ -43,7 +43,7 @@ class MemoryInstrument:
         return {metric: [{}] for metric in self.metrics(params)}
 
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
-        receipt = await _get_stats(ctx)
+        receipt = await stats_receipt(ctx)
         floor = ctx.mem.floor_bytes()
         cells = [Cell("host_mem_available_floor_gib", floor / GIB if floor is not None else None, "GiB",
                       valid=floor is not None, note=f"{ctx.mem.samples()} samples since engine start",
@@ -70,7 +70,8 @@ def _gib(value: Any) -> float | None:
     return value / GIB if isinstance(value, (int, float)) else None
 
 
-async def _get_stats(ctx: BootContext) -> Receipt:
+async def stats_receipt(ctx: BootContext) -> Receipt:
+    """`/v1/stats` as a receipt: its body in `response`, an error for any status but 200."""
     receipt = Receipt(request_id=f"stats-{ctx.salt}", endpoint="/v1/stats", payload={},
                       t_queued_ns=time.perf_counter_ns())
     headers = {"Authorization": f"Bearer {ctx.api_key}"} if ctx.api_key else {}
