@@ -1,6 +1,6 @@
-"""The engine the soak and resident-needle tests share: SmolLM2 on the CPU with a KV pool of 4,096
-tokens, room for two soak sessions of about 1,500 tokens but not for two resident sessions of
-1,500 and a needle of 1,500 at once. A package of its own, so it never runs beside the other
+"""The engine the soak and resident-needle tests share: SmolLM2 on the CPU with a KV pool of 2,560
+tokens, room for two soak sessions of about 800 tokens but not for two resident sessions of
+1,000 and a needle of 1,000 at once. A package of its own, so it never runs beside the other
 instrument tests' engine."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from lab.store.db import open_store
 from tests.engine.server_process import engine_server
 from tests.instruments.speed_boot import SpeedBench
 
-POOL_TOKENS = 4096
-ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "4096",
+POOL_TOKENS = 2560
+ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "2048",
                 "--num-kv-blocks", str(POOL_TOKENS // 16), "--block-size", "16")
 
 

@@ -14,11 +14,11 @@ pytestmark = pytest.mark.slow
 
 def test_retrieval_beside_two_resident_sessions_equals_the_solo_result(sessions_bench) -> None:
     pool = sessions_bench.server.stats()["kv_pool"]["tokens"]
-    params = {"lengths": [1500], "depths": [0.5], "resident_sessions": 2, "resident_tokens": 1500}
-    assert 2 * 1500 + 1500 > pool  # the sessions and the needle do not fit the pool together
+    params = {"lengths": [1000], "depths": [0.5], "resident_sessions": 2, "resident_tokens": 1000}
+    assert 2 * 1000 + 1000 > pool  # the sessions and the needle do not fit the pool together
     stored = sessions_bench.measure(NeedleInstrument(), params, salt="needle-resident")
-    assert [(s.key, s.status) for s in stored.steps] == [("length=1500/depth=0.5/rep=0", "ok"), ("found_rate", "ok")]
-    solo, resident = stored.cell("found", length=1500, depth=0.5), stored.cell("found_resident", length=1500, depth=0.5)
+    assert [(s.key, s.status) for s in stored.steps] == [("length=1000/depth=0.5/rep=0", "ok"), ("found_rate", "ok")]
+    solo, resident = stored.cell("found", length=1000, depth=0.5), stored.cell("found_resident", length=1000, depth=0.5)
     assert solo.valid and resident.valid, (solo.note, resident.note)
     assert resident.value == solo.value == 1.0, resident.note
     assert "resident: found, solo: found" in resident.note and "2 sessions resident" in resident.note
@@ -28,9 +28,9 @@ def test_retrieval_beside_two_resident_sessions_equals_the_solo_result(sessions_
     (alone,) = stored.requests_of(solo)
     passphrase = solo.note.split("'")[1]
     assert passphrase_found(passphrase, beside.text)
-    assert beside.prompt_tokens == alone.prompt_tokens == 1500 and beside.cached_tokens == 0
+    assert beside.prompt_tokens == alone.prompt_tokens == 1000 and beside.cached_tokens == 0
     assert beside.payload["prompt"] != alone.payload["prompt"]  # its own salt: prefilled again
-    assert len(sessions) > 2 and all(r.error is None and r.prompt_tokens == 1500 for r in sessions)
+    assert len(sessions) > 2 and all(r.error is None and r.prompt_tokens == 1000 for r in sessions)
     # a session was running while the needle was prefilled and answered
     assert any(r.t_sent_ns < beside.t_done_ns and r.t_done_ns > beside.t_sent_ns for r in sessions[2:])
     # and the pool could not keep everything: a session's prefix was evicted and prefilled again,
