@@ -13,10 +13,14 @@ from lab.store.db import Store, open_store
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_ladder(cwd: Path, ladder: str, name: str, timeout: float) -> Store:
-    """Write `ladder` (dedented) into `cwd`, run it as run `name`, and return its store."""
+def run_ladder(cwd: Path, ladder: str, name: str, timeout: float, controls_only: bool = False) -> Store:
+    """Write `ladder` (dedented) into `cwd`, run it as run `name`, and return its store. With
+    `controls_only`, only each window's control boots, opened and closed (`lab sweep
+    --control-only`): two boots of one config, since `lab run` refuses a window without arms."""
     (cwd / f"{name}.yaml").write_text(textwrap.dedent(ladder))
-    done = subprocess.run([sys.executable, "-m", "lab", "run", f"{name}.yaml", "--name", name], cwd=cwd,
+    command = (["sweep", f"{name}.yaml", "--label", name, "--control-only"] if controls_only
+               else ["run", f"{name}.yaml"])
+    done = subprocess.run([sys.executable, "-m", "lab", *command, "--name", name], cwd=cwd,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -33,6 +33,8 @@ QEVAL_LADDER = """\
     windows:
       - name: W1
         control: C0ctl
+        arms:  # never booted: the run is the controls alone
+          - {name: A1seqs8, flags: {max-num-seqs: 8}}
     instruments:
       qeval: {preset: full, concurrency: 32, max_tokens_scale: %g}
     """ % MAX_TOKENS_SCALE
@@ -40,9 +42,9 @@ QEVAL_LADDER = """\
 
 @pytest.fixture(scope="module")
 def qeval_two_control_boots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    """`lab run` of one window with no arm: the opening and the closing control, the same config
-    booted twice, each running all shipped tasks."""
-    store = run_ladder(tmp_path_factory.mktemp("qeval"), QEVAL_LADDER, "two", timeout=480)
+    """The opening and the closing control of one window and no arm (`lab sweep --control-only`):
+    the same config booted twice, each running all shipped tasks."""
+    store = run_ladder(tmp_path_factory.mktemp("qeval"), QEVAL_LADDER, "two", timeout=480, controls_only=True)
     yield store
     store.close()
 
