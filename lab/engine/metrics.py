@@ -20,11 +20,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lab.engine.llm_engine import LLMEngine
+from lab.engine.output_processor import RequestPhases
 
 PREFIX = "vllm"
 LABELS = ["model_name", "engine"]
 ENGINE = "0"
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's buckets for the per-request phase histograms (queue, prefill, decode, inference).
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
 
@@ -90,6 +94,14 @@ class EngineMetrics:
                              LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", REQUEST_BUCKETS)
         lengths = token_buckets(engine.max_model_len)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.",
                                                lengths)
@@ -111,10 +123,17 @@ class EngineMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
 
-    def finished(self, reason: str | None, num_output_tokens: int) -> None:
-        """Count one request that ended (`reason` None: aborted)."""
+    def finished(self, reason: str | None, num_output_tokens: int, phases: RequestPhases | None = None) -> None:
+        """Count one request that ended (`reason` None: aborted), and where its time went when the
+        engine says (a request that never reached a step has no phases to observe)."""
         self.request_success[reason if reason in self.request_success else "abort"].inc()
         self.request_generation_tokens.observe(num_output_tokens)
+        if phases is not None and phases.scheduled is not None:
+            self.queue_time.observe(phases.scheduled - phases.arrival)
+            self.inference_time.observe(phases.finished - phases.scheduled)
+            if phases.first_token is not None:
+                self.prefill_time.observe(phases.first_token - phases.scheduled)
+                self.decode_time.observe(phases.finished - phases.first_token)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,6 +3,7 @@ streamed out of each step."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from lab.engine.sequence import Sequence, TokenLogprob
@@ -21,6 +22,17 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output only
+    phases: RequestPhases | None = None  # on the last output only
+
+
+@dataclass(frozen=True)
+class RequestPhases:
+    """Where a finished request's time went, on the engine's clock (time.monotonic): waiting for
+    a step, computing its prompt up to the first token, then decoding to the end."""
+    arrival: float
+    scheduled: float | None  # None: never admitted (aborted while it waited)
+    first_token: float | None
+    finished: float
 
 
 @dataclass
@@ -131,7 +143,9 @@ class OutputProcessor:
             request_id=seq.request_id, new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_lps,
             finished=finished, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-            prompt_logprobs=prompt_lps)
+            prompt_logprobs=prompt_lps,
+            phases=RequestPhases(seq.arrival_time, seq.scheduled_time, seq.first_token_time, time.monotonic())
+            if finished else None)
 
     def text_of(self, seq: Sequence) -> str:
         state = self.states.get(seq.seq_id)

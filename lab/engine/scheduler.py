@@ -9,6 +9,7 @@ later (prompt plus the tokens it had generated)."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -112,6 +113,7 @@ class Scheduler:
                     self.blocks.record_lookup(seq, len(cached))
                     seq.num_cached_tokens = len(cached) * self.blocks.block_size
                     seq.admitted = True
+                    seq.scheduled_time = time.monotonic()
                 self.waiting.popleft()
                 seq.status = Status.RUNNING
                 self.running.append(seq)

@@ -45,6 +45,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_preemptions: int = 0
+    scheduled_time: float | None = None  # first admitted to a step (monotonic), for the queue time
     first_token_time: float | None = None
     admitted: bool = False
     # Tokens sampled by a step still running on the device: their places at the end of

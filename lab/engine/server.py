@@ -192,7 +192,7 @@ class Server:
                 if out.finished:
                     ended = True
                     self.metrics.e2e.observe(time.monotonic() - arrival)
-                    self.metrics.finished(out.finish_reason, out.num_output_tokens)
+                    self.metrics.finished(out.finish_reason, out.num_output_tokens, out.phases)
                 yield out
         except Exception:
             ended = True  # refused or failed, not aborted: the error is the client's answer

@@ -38,7 +38,8 @@ VLLM_CORE = {
     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions", "vllm:prompt_tokens",
     "vllm:generation_tokens", "vllm:request_success", "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
+    "vllm:request_generation_tokens", "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
 }
 
 
@@ -248,6 +249,10 @@ def sample(families: dict, name: str, **labels: str) -> float:
                 if s.name == name + "_total" and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def observed(families: dict, name: str, suffix: str) -> float:
+    return next((s.value for s in families[name].samples if s.name == name + suffix), 0.0)
+
+
 def test_metrics_use_vllm_names_labels_and_counting(client, server) -> None:
     prompt = salted("Tell me about the history of the printing press in Europe. " * 3)
     before = scrape(server)
@@ -270,3 +275,11 @@ def test_metrics_use_vllm_names_labels_and_counting(client, server) -> None:
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert sample(after, "vllm:prompt_tokens") - sample(before, "vllm:prompt_tokens") \
         == first.usage.prompt_tokens + second.usage.prompt_tokens
+    # Each finished request splits its running time into prefill and decode, as vLLM's phases do.
+    phase = {name: (observed(after, name, "_count") - observed(before, name, "_count"),
+                    observed(after, name, "_sum") - observed(before, name, "_sum"))
+             for name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                          "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds")}
+    assert {count for count, _ in phase.values()} == {2}
+    prefill, decode, inference = (phase[f"vllm:request_{p}_time_seconds"][1] for p in ("prefill", "decode", "inference"))
+    assert prefill > 0 and decode > 0 and inference == pytest.approx(prefill + decode, abs=1e-6)
