@@ -16,10 +16,10 @@ printed at the width it needs, and `--json` gives the same comparison for machin
 
 Statistics only where there are repeats, and the table says which was used:
 - a percentile bootstrap 95 % interval of the ratio of medians when each side has ≥ 2 samples;
-  a change is "established" only when the whole interval lies beyond the threshold (criterion's
-  rule, method.md §3, §5);
+  a change is "established" only when the whole interval lies beyond the threshold (the rule
+  criterion.rs uses; docs/keep.md);
 - an exact (or normal-approximation) Mann-Whitney p only when the sample sizes can reach
-  p < 0.05 at all (4 vs 4 or more: 3 vs 3 never can, method.md §5); otherwise it says so.
+  p < 0.05 at all (4 vs 4 or more: 3 vs 3 never can); otherwise it says so.
 
 Verdicts are judged again from the stored cells (and stored) for every run involved, so the
 table shows exactly what the rule decides on the data as it is now.

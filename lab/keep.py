@@ -1,7 +1,7 @@
 """The KEEP rule: judge one arm against the warm controls that bracket its window.
 
 Keep an arm when at least one key metric improves by more than the threshold, no key metric
-regresses by more than the threshold, and every gate holds (DESIGN.md, "KEEP rule").
+regresses by more than the threshold, and every gate holds (docs/keep.md).
 
 How figures are formed:
 - a boot's value for a metric is the median of its repeats;
