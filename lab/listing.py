@@ -46,20 +46,21 @@ def print_run(console: Console, store: Store, ref: str) -> None:
     for arm in reader.arms(store, run.id):
         arms.add_row(arm.name, arm.window, arm.role, escape(_change(arm.change)), arm.config_hash)
     console.print(arms)
-    boots = Table("slot", "window", "arm", "role", "try", "status", "cold", "ready s", "exit", "stop", "reason",
-                  title="boots", title_justify="left")
+    boots = Table("slot", "window", "arm", "role", "try", "status", "cold", "ready s", "exit", "stop", "cells",
+                  "reason", title="boots", title_justify="left")
+    health = reader.cell_health(store, run.id)
     failed = []
     for slot in reader.slots(store, run.id):
         role = slot.role if slot.role != "control" else f"control/{slot.position}"
         if not slot.boots:
             boots.add_row(str(slot.idx), slot.window or "-", slot.arm.name, role, "-", _status("pending"), "", "", "",
-                          "", "")
+                          "", "", "")
         for boot in slot.boots:
             boots.add_row(str(slot.idx), slot.window or "-", slot.arm.name, role, str(boot.attempt),
                           _status(boot.status), "cold" if boot.cold else "",
                           f"{boot.ready_s:.1f}" if boot.ready_s is not None else "",
                           "" if boot.exit_status is None else str(boot.exit_status), boot.stopped_by or "",
-                          escape(boot.reason or ""))
+                          _cells(health.get(boot.id)), escape(boot.reason or ""))
             if boot.status not in ("done", "starting", "ready") and boot.log_tail:
                 failed.append((slot, boot))
     console.print(boots)
@@ -67,6 +68,17 @@ def print_run(console: Console, store: Store, ref: str) -> None:
         tail = "\n".join(boot.log_tail.rstrip().splitlines()[-TAIL_LINES:])
         console.print(f"[bold]{slot.idx:02d} {slot.arm.name}[/] try {boot.attempt}, {boot.log_path}:", highlight=False)
         console.print(escape(tail), style="dim", highlight=False)
+
+
+def _cells(health: reader.CellHealth | None) -> str:
+    """`41 valid`, or `41 valid, 4 invalid (3: the response carried no usage)`: why a boot that is
+    done still judges nothing."""
+    if health is None:
+        return ""
+    if not health.invalid:
+        return f"{health.valid} valid"
+    why = f" ({health.top_count}: {escape(health.top_reason)})" if health.top_reason else ""
+    return f"{health.valid} valid, [red]{health.invalid} invalid[/]{why}"
 
 
 def print_plan(console: Console, plan: Plan) -> None:

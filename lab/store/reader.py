@@ -27,6 +27,32 @@ class RunSummary:
     boots_failed: int
 
 
+@dataclass(frozen=True)
+class CellHealth:
+    valid: int
+    invalid: int
+    top_reason: str | None  # the commonest note of the invalid cells
+    top_count: int
+
+
+def cell_health(store: Store, run_id: int) -> dict[int, CellHealth]:
+    """Per boot of the run: its valid and invalid cells, and why most of the invalid ones are."""
+    with store.session() as s:
+        rows = s.execute(select(m.Cell.boot_id, m.Cell.valid, m.Cell.note, func.count())
+                         .join(m.Boot, m.Boot.id == m.Cell.boot_id).where(m.Boot.run_id == run_id)
+                         .group_by(m.Cell.boot_id, m.Cell.valid, m.Cell.note)).all()
+    counts: dict[int, list] = {}
+    for boot_id, valid, note, n in rows:
+        entry = counts.setdefault(boot_id, [0, 0, None, 0])
+        if valid:
+            entry[0] += n
+        else:
+            entry[1] += n
+            if n > entry[3]:
+                entry[2], entry[3] = note, n
+    return {boot_id: CellHealth(*entry) for boot_id, entry in counts.items()}
+
+
 def find_run(store: Store, ref: str) -> m.Run:
     """A run by name, id, or ladder name (its latest run); LookupError says what to do when none."""
     with store.session() as s:

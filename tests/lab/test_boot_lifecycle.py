@@ -130,11 +130,24 @@ def test_lab_ls_lists_runs_then_one_runs_arms_and_boots(tmp_path, lab, capsys) -
     out = capsys.readouterr().out
     for text in ("C0ctl", "A1exit", "control/open", "control/close", "failed", "exiting with 4 as asked"):
         assert text in out
+    assert "1 valid" in out  # the memory cell of each control
     assert lab("ls", "nope") == 1
     assert "no run 'nope'" in capsys.readouterr().err
     assert lab("run", str(path), "--name", "first") == 1  # names are unique
     assert "a run named 'first' exists" in capsys.readouterr().err
     assert os.path.exists(tmp_path / "lab.db")
+
+
+def test_lab_ls_counts_each_boots_invalid_cells_and_says_why(tmp_path, lab, capsys) -> None:
+    body = ("windows:\n  - name: W1\n    control: C0ctl\n    arms:\n      - {name: A1, flags: {seqs: 2}}\n"
+            "instruments:\n  decode: {levels: [1], max_tokens: 4}\n")
+    assert lab("run", str(stub_ladder(tmp_path, body)), "--name", "probe") == 0
+    capsys.readouterr()
+    assert lab("ls", "probe") == 0
+    out = capsys.readouterr().out
+    # The stub serves no streaming completions: every boot is "done" and measured nothing, and
+    # the listing says so per boot, with the commonest reason.
+    assert out.count("0 valid, 22 invalid (16: HTTP 404: not found)") == 3, out
 
 
 def test_engine_command_that_cannot_start_is_a_failed_boot(tmp_path, lab, store, capsys) -> None:
