@@ -24,6 +24,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
+from scipy.stats import median_abs_deviation
+
+from lab.effects import to_pct
 from lab.stats import mann_whitney, min_reachable_p
 
 PERSIST = 2  # labels in a row that must depart before a change is a step
@@ -71,9 +74,10 @@ def analyse(values: Sequence[float], higher_is_better: bool, threshold_pct: floa
     diffs = [b - a for a, b in zip(logs, logs[1:])]
     sigma = None
     if len(diffs) >= 3:
-        centre = statistics.median(diffs)
-        sigma = 1.4826 * statistics.median(abs(d - centre) for d in diffs) / math.sqrt(2)
-    band = max(_pct(SIGMAS * sigma) if sigma is not None else 0.0,
+        # Robust SD of the label-to-label changes (normal-consistent MAD); a change of two
+        # independent levels has sqrt(2) times one level's spread.
+        sigma = float(median_abs_deviation(diffs, scale="normal")) / math.sqrt(2)
+    band = max(to_pct(SIGMAS * sigma) if sigma is not None else 0.0,
                statistics.median(within_drift_pct) if within_drift_pct else 0.0)
     limit_pct = max(threshold_pct, band)
     limit = math.log1p(limit_pct / 100)
@@ -114,7 +118,7 @@ def analyse(values: Sequence[float], higher_is_better: bool, threshold_pct: floa
                           test.p if test else None, min_reachable_p(len(before), len(after))))
     pending_regression = bool(pending) and ((values[pending[0]] < statistics.median(
         values[j] for j in range(starts[-1], pending[0]) if j not in outliers)) == higher_is_better)
-    return Analysis(_pct(sigma) if sigma is not None else None, band, limit_pct, steps, outliers, pending,
+    return Analysis(to_pct(sigma) if sigma is not None else None, band, limit_pct, steps, outliers, pending,
                     pending_regression)
 
 
@@ -134,7 +138,3 @@ def regressed_since(analysis: Analysis) -> tuple[Step, float] | None:
 
 def _side(distance: float, limit: float) -> int:
     return 0 if abs(distance) <= limit else (1 if distance > 0 else -1)
-
-
-def _pct(log_value: float) -> float:
-    return math.expm1(log_value) * 100

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import Any
 
 from lab.instruments.base import BootContext
-from lab.instruments.memory import stats_receipt
+from lab.instruments.memory import free_bytes, stats_receipt
 from lab.instruments.receipt import Receipt
-
-
-def free_bytes(stats: dict[str, Any]) -> int | None:
-    value = stats.get("free_at_peak_bytes", stats.get("free_memory_bytes"))
-    return value if isinstance(value, int) else None
 
 
 class FreeMemoryWatch:

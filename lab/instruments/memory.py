@@ -53,12 +53,18 @@ class MemoryInstrument:
             pool = stats.get("kv_pool") or {}
             cells += [
                 _cell("peak_memory_gib", _gib(stats.get("peak_memory_bytes")), "GiB"),
-                # On CUDA the engine knows the free memory at its peak; on the CPU only what is free now.
-                _cell("free_memory_gib", _gib(stats.get("free_at_peak_bytes", stats.get("free_memory_bytes"))), "GiB"),
+                _cell("free_memory_gib", _gib(free_bytes(stats)), "GiB"),
                 _cell("kv_pool_tokens", pool.get("tokens"), "tokens"),
                 _cell("kv_pool_gib", _gib(pool.get("bytes")), "GiB"),
             ]
         return StepResult(cells=cells, receipts=[receipt])
+
+
+def free_bytes(stats: dict[str, Any]) -> int | None:
+    """The engine's free memory in a `/v1/stats` answer: at the allocator's peak on CUDA, where
+    the engine knows it; on the CPU only what is free now."""
+    value = stats.get("free_at_peak_bytes", stats.get("free_memory_bytes"))
+    return value if isinstance(value, int) else None
 
 
 def _cell(metric: str, value: float | None, unit: str) -> Cell:
