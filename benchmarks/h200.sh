@@ -6,6 +6,9 @@
 #   stages: bf16 fp8 tests kernels smollm2 (default: all five); bf16-noref is bf16 without transformers;
 #   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B); attn is the fp8 decode attention
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
+#   attn-prefill is benchmarks/attention_prefill.py (PyTorch's attention kernels on long-prefill shapes) and
+#   the GPU attention tests; prefill-long is cold prefill at 8K, 32K and 131K alone; prefill-1m is one cold
+#   prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV: a call of its own);
 #   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV; prefill-ref is
 #   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs;
 #   lab is `lab run ladders/h200.yaml` end to end (warm-up boot, control, five arms, control), then `lab ls`,
@@ -48,6 +51,16 @@ for stage in $stages; do
             tests/engine/test_kernels.py tests/engine/test_kernel_gemv.py > "$OUT/gpu_tests.txt" 2>&1 ;;
     kernels) { timeout 90 python3 -m lab.engine.kernels.bench_gemv; timeout 90 python3 -m lab.engine.kernels.bench_kernels; } \
             > "$OUT/kernels.txt" 2>&1 ;;
+    attn-prefill) { timeout 240 python3 benchmarks/attention_prefill.py;
+            timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_chunk_attention.py \
+              tests/engine/test_kernels.py -k "attention or prefill"; } > "$OUT/attention_prefill.txt" 2>&1 ;;
+    prefill-long) timeout 200 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 8192,32768,131000 \
+            --concurrency 32 --repeats 1 --reference none --throughput "" --json "$OUT/prefill_long.json" \
+            > "$OUT/prefill_long.txt" 2>&1 ;;
+    prefill-1m) timeout 590 python3 -m lab.engine bench --model dummy:llama3-8b-1m --dtype bfloat16 \
+            --kv-cache-dtype fp8 --max-model-len 1052672 --max-num-batched-tokens 16384 --max-num-seqs 8 \
+            --prompt-tokens 128 --decode-tokens 16 --concurrency 2 --prefill-lengths 1048576 --repeats 1 \
+            --reference none --throughput "" --json "$OUT/prefill_1m.json" > "$OUT/prefill_1m.txt" 2>&1 ;;
     attn) PYTHONPATH=$PYTHONPATH:$PWD/.cache/stage timeout 150 python3 benchmarks/attention_fp8.py \
             > "$OUT/attention_fp8.txt" 2>&1 ;;
     profile) { timeout 120 python3 benchmarks/step_profile.py --kv-cache-dtype fp8;
@@ -82,5 +95,5 @@ for stage in $stages; do
 done
 cat "$OUT/env.txt"
 for f in "$OUT"/*.txt; do [ "$f" = "$OUT/env.txt" ] || [ "$f" = "$OUT/lab.txt" ] || { echo "== $f"; grep -E "figure:|reference|passed|failed|Error" "$f" | cut -c 60-220; }; done
-for f in "$OUT"/attention_fp8.txt "$OUT"/step_profile.txt; do [ -f "$f" ] && { echo "== $f"; grep -v -i warn "$f" | cut -c 1-120; }; done
+for f in "$OUT"/attention_fp8.txt "$OUT"/step_profile.txt "$OUT"/attention_prefill.txt; do [ -f "$f" ] && { echo "== $f"; grep -v -i warn "$f" | cut -c 1-120; }; done
 [ -f "$OUT/lab.txt" ] && { echo "== $OUT/lab.txt"; grep -E "KEEP|✓|✗|exit|Error|drift" "$OUT/lab.txt" | cut -c 1-240; }

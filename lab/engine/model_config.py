@@ -56,6 +56,14 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
         bos_token_id=128000, eos_token_ids=(128001, 128009), name="llama3-8b"),
+    # Llama-3-8B's shapes with a million-token context (rope base as in Gradient's 1048K Llama-3
+    # extension) and room for a decode tail after a 1,048,576-token prompt: random weights only,
+    # for the long-context ladders.
+    "llama3-8b-1m": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=3580165449.0, rms_norm_eps=1e-5,
+        max_position_embeddings=1_048_576 + 4096, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_ids=(128001, 128009), name="llama3-8b-1m"),
     "qwen2.5-7b": ModelConfig(
         architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,

@@ -7,7 +7,8 @@ from bisect import bisect_left
 
 import torch
 
-from lab.engine.attention import FP8_DTYPES, causal_attention, gather_context
+from lab.engine.attention import FP8_DTYPES, gather_context
+from lab.engine.chunk_attention import chunk_attention
 from lab.engine.attention_metadata import AttentionMetadata
 from lab.engine.kernels import decode_attention, prefill_attention, write_kv_cache
 from lab.engine.kernels.decode_attention import MAX_SPLITS, num_splits_for, split_context_bounds
@@ -100,9 +101,10 @@ class TritonAttention:
 
     def _flash_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-        """A few long chunks: PyTorch's flash attention, fed contiguous K/V (the chunk's own when it
-        has no cached prefix, else gathered from the cache), beats the paged kernel, which cannot
-        pipeline its gathered loads. The gather costs one pass over the context per layer."""
+        """A few long chunks: PyTorch's fused attention kernels, fed contiguous K/V (the chunk's own
+        when it has no cached prefix, else gathered from the cache), beat the paged kernel, which
+        cannot pipeline its gathered loads. The gather costs one pass over the context per layer;
+        the prefix and the chunk are attended separately and merged (`chunk_attention`)."""
         start = meta.num_decodes
         for i in range(meta.num_decodes, meta.num_seqs):
             qlen, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
@@ -114,7 +116,7 @@ class TritonAttention:
                 # (quantised as x / scale, widened times the scale).
                 ki = gather_context(k_cache, meta.block_tables[i], ctx, q.dtype, self.k_scale)
                 vi = gather_context(v_cache, meta.block_tables[i], ctx, q.dtype, self.v_scale)
-            out[start:end] = causal_attention(q[start:end], ki, vi, scale, expand_heads=True)
+            out[start:end] = chunk_attention(q[start:end], ki, vi, scale)
             start = end
 
     def _max_decode_context(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:

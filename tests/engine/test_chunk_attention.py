@@ -1,0 +1,66 @@
+"""A prefill chunk's attention over its cached prefix, split and merged (lab/engine/
+chunk_attention.py), against the one bottom-right causal call of the PyTorch reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab.engine.attention import causal_attention
+from lab.engine.chunk_attention import chunk_attention, merge
+
+# (chunk length, prefix length, query heads, KV heads, head dim)
+SHAPES = [(5, 0, 4, 4, 16), (7, 13, 8, 2, 16), (33, 100, 6, 2, 64), (1, 50, 9, 3, 64), (64, 64, 32, 8, 128)]
+
+
+def _inputs(length: int, prefix: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+            device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cpu").manual_seed(length * 1000 + prefix)
+    q = torch.randn(length, heads, dim, generator=gen).to(device, dtype)
+    k = torch.randn(prefix + length, kv_heads, dim, generator=gen).to(device, dtype)
+    v = torch.randn(prefix + length, kv_heads, dim, generator=gen).to(device, dtype)
+    return q, k, v
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_attention_matches_bottom_right_causal_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    q, k, v = _inputs(*shape, dtype, "cpu")
+    out = chunk_attention(q, k, v, shape[-1] ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = causal_attention(q.float(), k.float(), v.float(), shape[-1] ** -0.5)
+    assert _rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_merge_of_two_halves_is_attention_over_both() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 1, 4, 8, generator=gen) for _ in range(3))
+    scores = q @ k.transpose(-1, -2)
+    full = torch.softmax(scores, -1) @ v
+    parts = []
+    for keys in (slice(0, 2), slice(2, 4)):
+        s = scores[..., keys]
+        parts.append((torch.softmax(s, -1) @ v[..., keys, :], torch.logsumexp(s, -1)))
+    (out_a, lse_a), (out_b, lse_b) = parts
+    # [B, 1, L, D] -> [L, B, D] as merge takes [L, H, D] and [L, H]
+    merged = merge(out_a[:, 0].transpose(0, 1), lse_a[:, 0].transpose(0, 1),
+                   out_b[:, 0].transpose(0, 1), lse_b[:, 0].transpose(0, 1))
+    torch.testing.assert_close(merged, full[:, 0].transpose(0, 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", [("flash", "flash"), ("cudnn", "cudnn"), ("efficient", "efficient"),
+                                      ("cudnn", "flash")])
+@pytest.mark.parametrize("shape", [(2048, 30720, 32, 8, 128), (8192, 8192, 32, 8, 128), (700, 1300, 9, 3, 64),
+                                   (512, 0, 32, 8, 128)])
+def test_chunk_attention_gpu_backends(backends: tuple[str, str], shape: tuple[int, ...]) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    q, k, v = _inputs(*shape, torch.bfloat16, "cuda")
+    out = chunk_attention(q, k, v, shape[-1] ** -0.5, prefix_backend=backends[0], chunk_backend=backends[1])
+    ref = causal_attention(q.float(), k.float(), v.float(), shape[-1] ** -0.5)
+    assert _rel_err(out, ref) < 1e-2
