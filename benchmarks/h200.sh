@@ -7,7 +7,8 @@
 #   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B); attn is the fp8 decode attention
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
 #   attn-prefill is benchmarks/attention_prefill.py (PyTorch's attention kernels on long-prefill shapes) and
-#   the GPU attention tests; prefill-long is cold prefill at 8K, 32K and 131K alone; prefill-1m is one cold
+#   the GPU attention tests; prefill-long is cold prefill at 8K, 32K and 131K alone;
+#   prefill-ref-long is cold prefill at 32K, 64K and 131K beside transformers (sdpa, logits of the last position); prefill-1m is one cold
 #   prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV: a call of its own);
 #   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV; prefill-ref is
 #   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs;
@@ -57,8 +58,11 @@ for stage in $stages; do
     prefill-long) timeout 200 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 8192,32768,131000 \
             --concurrency 32 --repeats 1 --reference none --throughput "" --json "$OUT/prefill_long.json" \
             > "$OUT/prefill_long.txt" 2>&1 ;;
+    prefill-ref-long) timeout 300 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 32768,65536,131000 \
+            --concurrency 32 --repeats 1 --reference-prefill-max 131072 --throughput "" \
+            --json "$OUT/prefill_ref_long.json" > "$OUT/prefill_ref_long.txt" 2>&1 ;;
     prefill-1m) timeout 590 python3 -m lab.engine bench --model dummy:llama3-8b-1m --dtype bfloat16 \
-            --kv-cache-dtype fp8 --max-model-len 1052672 --max-num-batched-tokens 16384 --max-num-seqs 8 \
+            --kv-cache-dtype fp8 --max-model-len 1052672 --kv-cache-memory-bytes 72000000000 --max-num-batched-tokens 8192 --max-num-seqs 8 \
             --prompt-tokens 128 --decode-tokens 16 --concurrency 2 --prefill-lengths 1048576 --repeats 1 \
             --reference none --throughput "" --json "$OUT/prefill_1m.json" > "$OUT/prefill_1m.txt" 2>&1 ;;
     attn) PYTHONPATH=$PYTHONPATH:$PWD/.cache/stage timeout 150 python3 benchmarks/attention_fp8.py \

@@ -7,7 +7,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from lab.engine.attention_metadata import AttentionMetadata
 
@@ -44,22 +43,21 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> t
     return out.to(dtype) if out.dtype != dtype else out
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     expand_heads: bool = False) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of the last `len(q)` positions of a `len(k)`-token context, causal and aligned
     bottom-right (query i sits at position len(k) - len(q) + i). q: [Lq, H, D], k/v: [Lk, KVH, D]
-    in q's dtype. `expand_heads` repeats K/V to every query head, which keeps flash attention
-    eligible on CUDA; the CPU path lets SDPA handle the grouping."""
+    in q's dtype."""
     lq, lk = q.shape[0], k.shape[0]
-    if expand_heads and k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     qi, ki, vi = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if lq == lk:
-        out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=not expand_heads)
+        out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
     else:
+        # Imported here: the module pulls in torch._dynamo, seconds of every boot that never needs it
+        # (the CUDA path attends to a prefix in lab.engine.chunk_attention).
+        from torch.nn.attention.bias import causal_lower_right
+
         out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(lq, lk), scale=scale,
-                                             enable_gqa=not expand_heads)
+                                             enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
 

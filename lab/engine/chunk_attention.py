@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-# Which PyTorch kernel each part runs on CUDA, from benchmarks/attention_prefill.py on the GPU
-# the engine targets; any of "flash", "cudnn", "efficient" gives the same numbers to rounding.
+# Which PyTorch kernel each part runs on CUDA: cuDNN's, the fastest on an H200 for both parts at
+# every length measured (benchmarks/attention_prefill.py; figures in reports/BENCHMARKS.md). Any
+# of "flash", "cudnn", "efficient" gives the same numbers to rounding.
 PREFIX_BACKEND = "cudnn"
 CHUNK_BACKEND = "cudnn"
 
@@ -80,5 +81,5 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
 
 
 def _repeat(x: torch.Tensor, group: int, backend: str) -> torch.Tensor:
-    # cuDNN's fused attention wants as many KV heads as query heads; the chunk's own K/V are small.
-    return x.repeat_interleave(group, dim=1) if backend == "cudnn" and group > 1 else x
+    # The memory-efficient kernel wants as many KV heads as query heads; the chunk's own K/V are small.
+    return x.repeat_interleave(group, dim=1) if backend == "efficient" and group > 1 else x

@@ -3,18 +3,20 @@ the PyTorch reference (`lab.engine.attention.TorchAttention`)."""
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left
 
 import torch
 
 from lab.engine.attention import FP8_DTYPES, gather_context
-from lab.engine.chunk_attention import chunk_attention
 from lab.engine.attention_metadata import AttentionMetadata
+from lab.engine.chunk_attention import CHUNK_BACKEND, PREFIX_BACKEND, chunk_attention
 from lab.engine.kernels import decode_attention, prefill_attention, write_kv_cache
 from lab.engine.kernels.decode_attention import MAX_SPLITS, num_splits_for, split_context_bounds
 
+logger = logging.getLogger(__name__)
 
-# Up to this many prefill chunks in a step go to flash attention one by one; more (many short
+# Up to this many prefill chunks in a step go to PyTorch's fused attention one by one; more (many short
 # prompts, e.g. a burst of chats) go to the paged varlen kernel in a single launch.
 FEW_PREFILLS = 4
 
@@ -38,6 +40,9 @@ class TritonAttention:
         # without, so turning graphs off changes no token.
         self.max_model_len = max_model_len
         self._bounds: dict[int, list[int]] = {}
+        # PyTorch's kernels for a prefill chunk's prefix and its own tokens (warm_up falls back to
+        # flash attention where this build's cuDNN cannot run them).
+        self.chunk_backends = (PREFIX_BACKEND, CHUNK_BACKEND)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -88,6 +93,13 @@ class TritonAttention:
         starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
         prefill_attention(q, k_cache, v_cache, table, starts, context, 1.0, out, first_seq=1, num_seqs=1,
                           max_query_len=1, k_scale=self.k_scale, v_scale=self.v_scale)
+        try:
+            chunk_attention(q, qkv[:, num_heads:num_heads + kv_heads].contiguous().repeat(2, 1, 1),
+                            qkv[:, num_heads + kv_heads:].contiguous().repeat(2, 1, 1), 1.0, *self.chunk_backends)
+        except RuntimeError as exc:
+            logger.warning("prefill attention: %s kernels cannot run here (%s); using flash attention",
+                           "/".join(self.chunk_backends), str(exc).splitlines()[0])
+            self.chunk_backends = ("flash", "flash")
         torch.cuda.synchronize(device)
 
     def context_bounds(self, batch: int, k_cache: torch.Tensor, max_model_len: int) -> list[int]:
@@ -116,7 +128,7 @@ class TritonAttention:
                 # (quantised as x / scale, widened times the scale).
                 ki = gather_context(k_cache, meta.block_tables[i], ctx, q.dtype, self.k_scale)
                 vi = gather_context(v_cache, meta.block_tables[i], ctx, q.dtype, self.v_scale)
-            out[start:end] = chunk_attention(q[start:end], ki, vi, scale)
+            out[start:end] = chunk_attention(q[start:end], ki, vi, scale, *self.chunk_backends)
             start = end
 
     def _max_decode_context(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
