@@ -12,7 +12,8 @@
 #   prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV: a call of its own);
 #   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV; prefill-ref is
 #   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs;
-#   lab is `lab run ladders/h200.yaml` end to end (warm-up boot, control, five arms, control), then `lab ls`,
+#   lab is `lab calibrate ladders/h200.yaml --boots 3` (the control's boot-to-boot noise), then
+#   `lab run ladders/h200.yaml` end to end (warm-up boot, control, five arms, control), then `lab ls`,
 #   `lab report` and `lab compare` of each arm against the control: the store comes back as lab-h200.db, the
 #   report and the boots' logs as lab-report.tgz, the GPU's power, temperature and clocks through the run as
 #   lab-dmon.txt (a call of its own: the ladder takes most of ten minutes); served is batch-1 and
@@ -73,7 +74,10 @@ for stage in $stages; do
          # power, temperature and clocks once a second, to set beside each boot's figures
          nvidia-smi dmon -s pc -d 1 -o DT > "$OUT/lab-dmon.txt" 2>&1 &
          dmon=$!
-         { timeout 555 python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
+         { timeout 170 python3 -m lab calibrate ladders/h200.yaml --boots 3 --db "$OUT/lab-h200.db" \
+             --name "$run-calibration"
+           echo "lab calibrate exit $?"
+           timeout 400 python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
            echo "lab run exit $?"
            kill $dmon
            python3 -m lab ls --db "$OUT/lab-h200.db" "$run"
