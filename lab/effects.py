@@ -105,6 +105,12 @@ def interval(effects: Sequence[float], noise: Noise | None, confidence: float = 
                     confidence=confidence, power=power, source=source)
 
 
+def drift_expected_pct(sd_log: float, confidence: float = CONFIDENCE) -> float:
+    """How far apart (%) two warm controls land, at `confidence`, when each boot scatters by
+    `sd_log`: their log ratio has SD sqrt(2) * sd_log."""
+    return to_pct(float(stats.norm.ppf(0.5 + confidence / 2)) * math.sqrt(2) * sd_log)
+
+
 def mde_pct(sd_log: float, n: int, df: int, confidence: float = CONFIDENCE, power: float = POWER) -> float:
     """The smallest true effect (%) that n boots at this per-boot spread find non-zero with `power`:
     (t_{1-alpha/2} + t_{power}) * sd / sqrt(n), with the interval's degrees of freedom."""

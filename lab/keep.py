@@ -346,15 +346,20 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
         noise) if min(control_values) > 0 and arm_value > 0 and all(
             median_of_repeats(b.values[name]) > 0 for b in arm_boots) else None
     row_fields = dict(delta_pct=delta, drift_pct=drift, repeats=repeats, interval=found)
-    # Two or more arm boots interpolate the drift; one boot against a drifting pair cannot be trusted.
-    drift_voids = drift is not None and drift > rule.drift_limit_pct and (found is None or found.n < 2)
+    # Two or more arm boots interpolate the drift. One boot against a drifting pair is trusted only
+    # when a calibration of this metric says its boots scatter that much (its interval is then as
+    # wide as that scatter); a drift beyond what the calibration explains voids the window.
+    explained = effects.drift_expected_pct(found.sd_log) if found is not None and found.n < 2 else None
+    drift_voids = drift is not None and drift > rule.drift_limit_pct and (
+        found is None or (found.n < 2 and drift > explained))
 
     if found is not None and not drift_voids:
         return _judge_interval(rule, metric, base, found, shown_controls, drift, row_fields)
 
     if drift_voids:
+        beyond = "" if explained is None else f", beyond the {explained:.1f} % its calibrated noise explains"
         text = (f"controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % > "
-                f"{rule.drift_limit_pct:g} % on {name} ({shown_controls}): window inconclusive")
+                f"{rule.drift_limit_pct:g} % on {name} ({shown_controls}){beyond}: window inconclusive")
         return replace(base, status=MetricStatus.DRIFT, **row_fields), _Finding(_Kind.WINDOW_VOID, text)
 
     threshold = rule.threshold_pct

@@ -91,6 +91,24 @@ def test_one_boot_in_a_drifting_window_stays_inconclusive_even_with_a_calibratio
     assert verdict.decision is Decision.INCONCLUSIVE and "window inconclusive" in verdict.reasons[0]
 
 
+def test_one_boot_in_a_window_that_drifts_as_much_as_its_calibration_says_is_judged_by_the_interval() -> None:
+    # Controls 6.4 % apart on a metric whose calibrated boots scatter by 4.5 % (SD): a drift that
+    # noise explains, so the single boot is judged by its (wide) interval instead of voiding the window.
+    noise = {DECODE.name: Noise(sd_log=0.045, df=2, source="calibration cal-1")}
+    regressed = judge(RULE, interleaved([11002.0, 11735.0], [6000.0], noise=noise))
+    assert regressed.decision is Decision.REJECT
+    assert not any("window inconclusive" in r for r in regressed.reasons)
+    assert regressed.metrics[0].status is MetricStatus.REGRESSED
+    unchanged = judge(RULE, interleaved([11002.0, 11735.0], [11400.0], noise=noise))
+    assert unchanged.decision is Decision.INCONCLUSIVE
+    assert not any("window inconclusive" in r for r in unchanged.reasons)
+    # The same drift against a calibration of 0.5 % says the window itself moved: voided, and why.
+    tight = {DECODE.name: Noise(sd_log=0.005, df=10, source="calibration cal-1")}
+    voided = judge(RULE, interleaved([11002.0, 11735.0], [6000.0], noise=tight))
+    assert voided.decision is Decision.INCONCLUSIVE
+    assert "beyond the 1.4 % its calibrated noise explains: window inconclusive" in voided.reasons[0]
+
+
 @pytest.mark.parametrize("controls,arm,noise", [
     ([100.0, 101.0], [103.0], None),
     ([100.0, 101.0, 100.0], [103.0, 104.0], None),
