@@ -9,6 +9,10 @@ offers it. A repeat is invalid when any of its prompt tokens came from the cache
 Cells, all with params `{length}`: `prefill_tok_s` and `ttft_s` for each repeat (repeat = rep),
 and `prefill_tok_s_median` over the valid repeats. The KEEP rule's median of repeats of
 `prefill_tok_s` is that same median.
+
+With `tail_tokens: n` each repeat goes on to generate n more tokens (`ignore_eos`) after its
+first: `tail_tok_s` is their rate, from the first token's arrival to the last's, the decode speed
+of one sequence at that context. A stream that ends before its n tokens has an invalid tail cell.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
 from lab.instruments.prompts import PromptTooShort, filler_words, fit_prompt, request_salt, salt_line
+from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import cache_note, prefill_problem, prefill_tok_s
 
 # Below this a prompt is mostly its salt.
@@ -38,6 +43,8 @@ class PrefillParams(PresetParams):
         default_factory=lambda: [256, 1024], min_length=1, description="prompt lengths in tokens")
     reps: conint(ge=1) = Field(  # type: ignore[valid-type]
         2, description="cold repeats per length; the median is reported")
+    tail_tokens: conint(ge=0) = Field(  # type: ignore[valid-type]
+        0, description="tokens generated after the first (ignore_eos), timed as decode at that context; 0: none")
 
     @field_validator("lengths")
     @classmethod
@@ -52,7 +59,9 @@ class PrefillInstrument:
     Params: ClassVar[type[BaseModel]] = PrefillParams
 
     def metrics(self, params: BaseModel) -> dict[str, Better]:
-        return {"prefill_tok_s": "higher", "prefill_tok_s_median": "higher", "ttft_s": "lower"}
+        assert isinstance(params, PrefillParams)
+        tail: dict[str, Better] = {"tail_tok_s": "higher"} if params.tail_tokens else {}
+        return {"prefill_tok_s": "higher", "prefill_tok_s_median": "higher", "ttft_s": "lower", **tail}
 
     def plan(self, params: BaseModel) -> list[Step]:
         assert isinstance(params, PrefillParams)
@@ -65,7 +74,7 @@ class PrefillInstrument:
 
     def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
         assert isinstance(params, PrefillParams)
-        return {"lengths": max(params.lengths) + 1}
+        return {"lengths": max(params.lengths) + 1 + params.tail_tokens}
 
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params
@@ -78,7 +87,7 @@ class PrefillInstrument:
                                                                  max_connections=1) as client:
             limit = await extras.max_model_len()
             for rep in range(params.reps):
-                rate = await self._one_shot(ctx, extras, client, length, rep, limit, result)
+                rate = await self._one_shot(ctx, extras, client, length, rep, limit, params.tail_tokens, result)
                 if rate is not None:
                     rates.append((rate, len(result.receipts) - 1))
         if rates:
@@ -92,18 +101,20 @@ class PrefillInstrument:
         return result
 
     async def _one_shot(self, ctx: BootContext, extras: EngineExtras, client: StreamingClient, length: int,
-                        rep: int, limit: int | None, result: StepResult) -> float | None:
+                        rep: int, limit: int | None, tail: int, result: StepResult) -> float | None:
         """Send one cold prompt, adding its receipt and cells to `result`; its tok/s when valid."""
         cell_params = {"length": length}
 
         def invalid(why: str, requests: list[int]) -> None:
             ctx.log.warning("prefill length %d rep %d invalid: %s", length, rep, why)
-            for metric, unit in (("prefill_tok_s", "tok/s"), ("ttft_s", "s")):
+            for metric, unit in (("prefill_tok_s", "tok/s"), ("ttft_s", "s")) + ((("tail_tok_s", "tok/s"),)
+                                                                                   if tail else ()):
                 result.cells.append(Cell(metric, None, unit, cell_params, rep, valid=False, note=why,
                                          requests=requests))
 
-        if limit is not None and length + 1 > limit:
-            return invalid(f"{length} prompt tokens + 1 output token exceed the engine's context of {limit}", [])
+        if limit is not None and length + 1 + tail > limit:
+            outputs = f"{1 + tail} output tokens" if tail else "1 output token"
+            return invalid(f"{length} prompt tokens + {outputs} exceed the engine's context of {limit}", [])
         salt = request_salt(ctx.salt, self.name, length, rep)
         words = filler_words(salt, length)
 
@@ -117,8 +128,10 @@ class PrefillInstrument:
         if fitted.exact and fitted.tokens != length:
             return invalid(f"no prompt of exactly {length} tokens was found (closest: {fitted.tokens})", [])
         await extras.reset_prefix_cache()
-        receipt = await client.request({"model": ctx.model, "prompt": fitted.form, "max_tokens": 1,
-                                        "temperature": 0})
+        body: dict[str, Any] = {"model": ctx.model, "prompt": fitted.form, "max_tokens": 1 + tail, "temperature": 0}
+        if tail:
+            body["ignore_eos"] = True
+        receipt = await client.request(body)
         result.receipts.append(receipt)
         index = len(result.receipts) - 1
         problem = prefill_problem(receipt, length if fitted.exact else None)
@@ -131,4 +144,21 @@ class PrefillInstrument:
         assert receipt.ttft_ns is not None
         result.cells += [Cell("prefill_tok_s", rate, "tok/s", cell_params, rep, note=note, requests=[index]),
                          Cell("ttft_s", receipt.ttft_ns / 1e9, "s", cell_params, rep, note=note, requests=[index])]
+        if tail:
+            result.cells.append(_tail_cell(receipt, tail, cell_params, rep, index))
         return rate
+
+
+def _tail_cell(receipt: Receipt, tail: int, cell_params: dict[str, Any], rep: int, index: int) -> Cell:
+    """Tokens after the first over the time from the first token's arrival to the last's."""
+    after_first = receipt.completion_tokens - 1
+    if after_first < tail:
+        return Cell("tail_tok_s", None, "tok/s", cell_params, rep, valid=False, requests=[index],
+                    note=f"the stream ended after {receipt.completion_tokens} of {1 + tail} tokens")
+    assert receipt.t_first_token_ns is not None and receipt.t_last_token_ns is not None
+    span_ns = receipt.t_last_token_ns - receipt.t_first_token_ns
+    if span_ns <= 0:
+        return Cell("tail_tok_s", None, "tok/s", cell_params, rep, valid=False, requests=[index],
+                    note="every token arrived in one chunk: nothing to time")
+    return Cell("tail_tok_s", after_first * 1e9 / span_ns, "tok/s", cell_params, rep, requests=[index],
+                note=f"{after_first} tokens after the first, at a context of {receipt.prompt_tokens}+")

@@ -73,3 +73,18 @@ def test_presets_fill_what_the_ladder_leaves_out_and_bad_values_point_at_their_l
     text = LADDER + "instruments:\n  prefill: {preset: gpu, lengths: [2000, 8]}\n"
     with pytest.raises(LadderError, match=r"speed.yaml:8: instruments.prefill.lengths\[1\]: .*greater than or equal"):
         parse_ladder(text, "speed.yaml")
+
+
+def test_a_decode_tail_times_the_tokens_after_the_first_at_that_context(bench) -> None:
+    stored = bench.measure(PrefillInstrument(), {"lengths": [256], "reps": 1, "tail_tokens": 12}, salt="prefill-tail")
+    cell = stored.cell("tail_tok_s", 0, length=256)
+    (request,) = stored.requests_of(cell)
+    assert cell.valid, cell.note
+    assert request.payload["max_tokens"] == 13 and request.payload["ignore_eos"] is True
+    assert request.completion_tokens == 13 and request.prompt_tokens == 256
+    assert cell.value == pytest.approx(12 / ((request.t_last_ns - request.t_first_ns) / 1e9))
+    assert stored.cell("prefill_tok_s", 0, length=256).valid  # the tail does not spoil the prefill figure
+
+    over = bench.measure(PrefillInstrument(), {"lengths": [4090], "tail_tokens": 12}, salt="prefill-tail-over")
+    tail = over.cell("tail_tok_s", length=4090)
+    assert not tail.valid and "13 output tokens exceed the engine's context of 4096" in tail.note
