@@ -8,6 +8,8 @@
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
 #   attn-prefill is benchmarks/attention_prefill.py (PyTorch's attention kernels on long-prefill shapes) and
 #   the GPU attention tests; prefill-long is cold prefill at 8K, 32K and 131K alone;
+#   long and 1m run ladders/h200-long.yaml and ladders/h200-1m.yaml a call at a time (resumed from the
+#   store carried in .cache/long/);
 #   prefill-ref-long is cold prefill at 32K, 64K and 131K beside transformers (sdpa, logits of the last position); prefill-1m is one cold
 #   prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV: a call of its own);
 #   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV; prefill-ref is
@@ -85,6 +87,14 @@ for stage in $stages; do
            for arm in A1nooverlap A2cublas A3fp8kv A4mnbt2k A5nographs; do
              COLUMNS=200 python3 -m lab compare --db "$OUT/lab-h200.db" C0ctl "$arm"; done
            tar czf "$OUT/lab-report.tgz" "reports/$run" runs; } > "$OUT/lab.txt" 2>&1 ;;
+    long|1m) # ladders/h200-long.yaml or h200-1m.yaml, a boot or so per call: the store is carried in
+         # .cache/long/ (run with carry [".cache/long"]) and each call resumes the run it holds
+         db=.cache/long/h200-long.db; run=h200-$stage-$commit; mkdir -p .cache/long
+         if python3 -m lab ls --db "$db" "$run" > /dev/null 2>&1; then what=(--resume "$run")
+         else what=("ladders/h200-$stage.yaml" --name "$run"); fi
+         { timeout 560 python3 -m lab run "${what[@]}" --db "$db"; echo "lab run exit $?"
+           python3 -m lab ls --db "$db" "$run"; } > "$OUT/$stage.txt" 2>&1
+         cp "$db" "$OUT/h200-long.db" ;;
     served) for sw in 5 0.5 0.2; do
               ( for _ in $(seq 120); do p=$(pgrep -f "lab.engine serve" | head -1); [ -n "$p" ] && break; sleep 0.5; done
                 [ -n "$p" ] && [ -x /tmp/site/bin/py-spy ] && /tmp/site/bin/py-spy record --pid "$p" --rate 200 --threads \
