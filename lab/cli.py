@@ -308,7 +308,12 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="the study's name (default: the tune file's name); run again to resume it")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
     parser.add_argument("--schema", action="store_true", help="print the tune file JSON Schema and exit")
-    _db_arg(parser)
+    parser.add_argument("--worker", action="store_true",
+                        help="only take trials of the study (several processes or hosts may); a plain `lab tune` "
+                             "waits for them and runs the confirmation")
+    parser.add_argument("--db", "--storage", dest="db", default=DEFAULT_DB, metavar="PATH|URL",
+                        help="the store holding the study and the boots: a SQLite file, or postgresql://user@host/db "
+                             f"shared by several hosts (default: ./{DEFAULT_DB})")
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -327,9 +332,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     tune, text = load_tune(args.tune)
     store = open_store(args.db)
     try:
-        outcome = study.run(store, args.tune, args.name, args.runs_dir, console)
+        outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker)
         console.print(f"study {outcome.study.study_name}: {outcome.complete} trials measured, {outcome.failed} "
                       "failed", highlight=False)
+        if args.worker:
+            console.print("the budget is spent; a plain `lab tune` on the same store confirms the best trials",
+                          highlight=False)
+            return 0
         result = confirm.confirm(store, outcome.study, tune, text, args.tune, args.runs_dir, console)
     finally:
         store.close()

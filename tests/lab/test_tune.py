@@ -21,7 +21,7 @@ from lab.store.db import open_store
 from tests.instruments.ladder_run import REPO
 from tests.lab.test_resume import alive, stop_left_engines
 
-# Seed 4 draws max-num-seqs 0 (refused by the engine's config check) for one of the trials.
+# Seed 4 draws max-num-seqs 0 (refused by the engine's config check) for trial 4 alone.
 TUNE = """\
     name: quicktest
     engine:
