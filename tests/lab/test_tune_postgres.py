@@ -133,6 +133,19 @@ def test_the_plain_tune_waits_for_the_workers_trials_then_confirms(postgres: str
         store.close()
 
 
+@pytest.mark.slow
+def test_the_study_and_its_runs_are_read_back_from_postgresql(postgres: str, shared_study, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "250")
+    assert lab_main(["ls", "--db", postgres]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"pgtune-t00{n}" in listed for n in range(3)) and "pgtune-confirm" in listed
+    assert lab_main(["report", "--study", "pgtune", "--db", postgres, "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "pgtune" / "index.md").read_text()
+    assert md.count("| complete |") == 3 and "pgtune-confirm" in md
+
+
 def test_an_unreachable_postgresql_store_is_refused_in_one_line(capsys: pytest.CaptureFixture[str],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "250")
