@@ -27,4 +27,4 @@ bench: $(STAMP)
 	$(VENV)/bin/lab engine bench
 
 clean:
-	rm -rf $(VENV) lab.db lab.db-* runs
+	rm -rf $(VENV) lab.db lab.db-* lab.db.lock runs

@@ -167,8 +167,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", nargs="?", metavar="RUN",
                         help="a run (name, id, or ladder name for its latest run; default: the latest run)")
+    parser.add_argument("--study", metavar="NAME", help="report a `lab tune` study instead of a run: its history, "
+                                                           "parameter importances, Pareto front and confirmation")
     parser.add_argument("--out", default="reports", metavar="DIR",
-                        help="the report goes to DIR/<run name>/ (default: ./reports)")
+                        help="the report goes to DIR/<run or study name>/ (default: ./reports)")
     _db_arg(parser)
 
 
@@ -176,9 +178,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     from lab.report.build import write_report
     from lab.store.db import open_store
 
+    if args.study and args.run:
+        raise UsageError("give a RUN or --study NAME, not both")
     store = open_store(args.db, create=False)
     try:
-        path = write_report(store, args.run, args.out)
+        if args.study:
+            from lab.report.tune import write_tune_report
+
+            path = write_tune_report(store, args.study, args.out)
+        else:
+            path = write_report(store, args.run, args.out)
     finally:
         store.close()
     _console(stdout=True).print(f"report written to {path / 'index.html'} and {path / 'index.md'}", highlight=False)
@@ -308,7 +317,12 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="the study's name (default: the tune file's name); run again to resume it")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
     parser.add_argument("--schema", action="store_true", help="print the tune file JSON Schema and exit")
-    _db_arg(parser)
+    parser.add_argument("--worker", action="store_true",
+                        help="only take trials of the study (several processes or hosts may); a plain `lab tune` "
+                             "waits for them and runs the confirmation")
+    parser.add_argument("--db", "--storage", dest="db", default=DEFAULT_DB, metavar="PATH|URL",
+                        help="the store holding the study and the boots: a SQLite file, or postgresql://user@host/db "
+                             f"shared by several hosts (default: ./{DEFAULT_DB})")
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -327,9 +341,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     tune, text = load_tune(args.tune)
     store = open_store(args.db)
     try:
-        outcome = study.run(store, args.tune, args.name, args.runs_dir, console)
+        outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker)
         console.print(f"study {outcome.study.study_name}: {outcome.complete} trials measured, {outcome.failed} "
                       "failed", highlight=False)
+        if args.worker:
+            console.print("the budget is spent; a plain `lab tune` on the same store confirms the best trials",
+                          highlight=False)
+            return 0
         result = confirm.confirm(store, outcome.study, tune, text, args.tune, args.runs_dir, console)
     finally:
         store.close()
@@ -337,6 +355,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         _error(f"study {outcome.study.study_name}: no feasible trial differs from the base; nothing to confirm")
         return 1
     _print_confirmation(_console(stdout=True), tune, result)
+    console.print(f"`lab report --study {outcome.study.study_name}` writes the study's report (history, "
+                  "importances, Pareto front, confirmation)", highlight=False, markup=False)
     if result.winner is None:
         _error(f"no candidate was kept by the confirmation ({result.run}); the base stays")
         return 1

@@ -18,9 +18,14 @@ from lab.report.document import CSS
 REGRESSION, IMPROVEMENT, LEVEL = "#d62728", "#2ca02c", "#1f77b4"
 
 
+def folder_name(series: str) -> str:
+    """The page's folder in the reports folder, beside the runs' reports, which link to it."""
+    return "history-" + re.sub(r"[^A-Za-z0-9._-]+", "_", series)
+
+
 def write(history: History, out: str | Path) -> Path:
     """Write `<out>/history-<series>/index.html`; returns the file."""
-    folder = Path(out) / ("history-" + re.sub(r"[^A-Za-z0-9._-]+", "_", history.series))
+    folder = Path(out) / folder_name(history.series)
     folder.mkdir(parents=True, exist_ok=True)
     parts = [f"<h1>History of {html.escape(history.series)}</h1>",
              f"<p>Each point is the median of a label's warm control boots; the bar spans its boots. A step is a "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 from sqlalchemy import func, select
 
-from lab import verdicts
+from lab import history_page, verdicts
 from lab.arms.validate import parse_ladder
 from lab.report import document as doc
 from lab.report import tables
@@ -57,11 +57,31 @@ def write_report(store: Store, ref: str | None, out: str | Path = "reports") -> 
         if figure.png is not None:
             (directory / f"{figure.name}.png").write_bytes(figure.png)
     blocks = _blocks(data, ladder.description, drawn, _calibration(store, run_id, data.run["ladder_name"]))
+    blocks += _history_links(store, data.run["ladder_name"], Path(out))
     title = f"Run {name}"
     (directory / "index.md").write_text(doc.markdown(title, blocks))
     (directory / "index.html").write_text(doc.html_document(title, blocks))
     log.info("report of %s written to %s", name, directory)
     return directory
+
+
+def _history_links(store: Store, ladder_name: str, out: Path) -> list[doc.Block]:
+    """Where this ladder's nightly series are: a link to each one's history page written beside this
+    report, or the command that writes it; nothing when the ladder was never swept."""
+    series = list(dict.fromkeys(p.series for p in reader.series_points(store) if p.ladder_name == ladder_name))
+    if not series:
+        return []
+    blocks: list[doc.Block] = [doc.Heading("History")]
+    for name in series:
+        folder = history_page.folder_name(name)
+        if (out / folder / "index.html").exists():
+            blocks.append(doc.Link(f"Ladder {ladder_name} is tracked by `lab sweep` in series {name}:",
+                                   "its history page", f"../{folder}/index.html"))
+        else:
+            blocks.append(doc.Paragraph(f"Ladder {ladder_name} is tracked by `lab sweep` in series {name}; "
+                                        f"`lab history {name} --html {out}` writes its history page beside "
+                                        "this report, and the next `lab report` links it."))
+    return blocks
 
 
 def _calibration(store: Store, run_id: int, ladder_name: str) -> pd.DataFrame:

@@ -73,7 +73,16 @@ class Collapsed:
     blocks: list[Block] = field(default_factory=list)
 
 
-Block = Heading | Paragraph | Items | TableBlock | FigureBlock | Code | Collapsed
+@dataclass(frozen=True)
+class Link:
+    """A sentence ending in a link to another page of the reports folder (a relative path)."""
+
+    text: str
+    label: str
+    href: str
+
+
+Block = Heading | Paragraph | Items | TableBlock | FigureBlock | Code | Collapsed | Link
 
 
 def markdown(title: str, blocks: list[Block]) -> str:
@@ -94,6 +103,8 @@ def _md(block: Block) -> str:
         if drawn.png is None:
             return f"_{drawn.title}: {drawn.note}_\n"
         return f"![{drawn.title}]({drawn.name}.png)\n" + (f"\n{drawn.note}\n" if drawn.note else "")
+    if isinstance(block, Link):
+        return f"{block.text} [{block.label}]({block.href})\n"
     if isinstance(block, Code):
         fence = "````" if "```" in block.text else "```"
         return f"{fence}{block.language}\n{block.text.rstrip()}\n{fence}\n"
@@ -137,6 +148,8 @@ def _html(block: Block) -> str:
         caption = f"<figcaption>{html.escape(drawn.note)}</figcaption>" if drawn.note else ""
         image = f"<img alt=\"{html.escape(drawn.title)}\" src=\"data:image/png;base64,{data}\">"
         return f"<figure>{image}{caption}</figure>"
+    if isinstance(block, Link):
+        return f"<p>{html.escape(block.text)} <a href=\"{html.escape(block.href)}\">{html.escape(block.label)}</a></p>"
     if isinstance(block, Code):
         return f"<pre><code>{html.escape(block.text)}</code></pre>"
     inner = "\n".join(_html(b) for b in block.blocks)

@@ -1,8 +1,13 @@
-"""Opening a store: a SQLite file by default (WAL, foreign keys on), any SQLAlchemy URL otherwise."""
+"""Opening a store: a SQLite file by default (WAL, foreign keys on), PostgreSQL for a store shared by
+several hosts (`postgresql://user@host/db`, through psycopg 3), any SQLAlchemy URL otherwise."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,34 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
+    @property
+    def postgresql(self) -> bool:
+        return self.engine.dialect.name == "postgresql"
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """Held by one process at a time among all those using this store, on any host: a
+        PostgreSQL advisory lock, or for a SQLite file a lock file beside it (SQLite is one host)."""
+        if self.postgresql:
+            key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+            with self.engine.connect() as connection:
+                # A session-level lock: held across the caller's own transactions, on other connections.
+                connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+                try:
+                    yield
+                finally:
+                    connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+            return
+        if not self.url.startswith("sqlite:///"):
+            raise StoreError(f"{self.engine.dialect.name} stores cannot be shared by several lab processes; "
+                             "use PostgreSQL or a SQLite file")
+        with open(self.url[len("sqlite:///"):] + ".lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
@@ -45,7 +78,11 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def resolve_url(target: str) -> str:
-    """`lab.db` or `/x/y.db` -> a sqlite URL; anything with `://` is taken as a SQLAlchemy URL."""
+    """`lab.db` or `/x/y.db` -> a sqlite URL; `postgresql://` (or `postgres://`) -> psycopg 3, the
+    driver the lab installs; anything else with `://` is taken as a SQLAlchemy URL."""
+    for scheme in ("postgresql://", "postgres://"):
+        if target.startswith(scheme):
+            return "postgresql+psycopg://" + target[len(scheme):]
     if "://" in target:
         return target
     return f"sqlite:///{Path(target).expanduser().resolve()}"
@@ -57,7 +94,12 @@ def open_store(target: str, create: bool = True) -> Store:
         raise StoreError(f"no store at {target}; pass --db with the file `lab run` wrote")
     store = Store(url)
     try:
-        _create_tables(store)
+        if store.postgresql:
+            # Hosts starting at once on an empty database take turns at creating the tables.
+            with store.lock("lab schema"):
+                _create_tables(store)
+        else:
+            _create_tables(store)
         version = _schema_version(store)
         if version != SCHEMA_VERSION:
             raise StoreError(f"{target} has store schema {version}; this lab writes schema {SCHEMA_VERSION}")

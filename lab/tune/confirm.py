@@ -108,6 +108,17 @@ def confirm(store: Store, study: optuna.Study, tune: TuneFile, text: str, tune_p
     return _read(store, run_id, name, picked, tune)
 
 
+def stored(store: Store, study: optuna.Study, tune: TuneFile) -> Confirmation | None:
+    """The study's finished confirmation as stored, without running anything; None before it ran."""
+    name = f"{study.study_name}-confirm"
+    done = {r.name: r for r in reader.list_runs(store)}
+    if name not in done or done[name].status != "done":
+        return None
+    numbers = {int(a.name[1:]) for a in reader.arms(store, done[name].id) if a.role == "arm"}
+    picked = [t for t in study.get_trials(deepcopy=False) if t.number in numbers]
+    return _read(store, done[name].id, name, picked, tune)
+
+
 def _read(store: Store, run_id: int, name: str, picked: list[optuna.trial.FrozenTrial], tune: TuneFile) -> Confirmation:
     evidence = verdicts.load(store, run_id)
     stored = reader.verdicts(store, run_id)

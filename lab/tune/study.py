@@ -8,18 +8,28 @@ A boot that fails is a failed trial with its reason and log tail, and the study 
 
 Resuming after kill -9: a trial left running by a process that is gone is marked failed (its
 engine, if still up, is stopped as `lab run --resume` stops one), and the study asks for new
-trials until the budget is spent. The sampler's random state is not stored, so a resumed study
-is not the trial-for-trial twin of an uninterrupted one with the same seed.
+trials until the budget is spent. Trial n is drawn by a sampler seeded with (seed, n) from the
+study's stored history, so processes sharing a study never draw alike from the same seed, and a
+resumed study draws as an uninterrupted one would from the same history.
+
+Several processes, on one host or many (`--storage postgresql://…`), share a study: each takes
+the next trial under the store's lock, so the budget is never overrun and no trial is run twice.
+A trial records its host and process; only a `lab tune` on that host may declare it abandoned.
+`--worker` processes only take trials; one plain `lab tune` waits for the trials still running
+elsewhere, then runs the confirmation on its own host.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import optuna
 import psutil
 import yaml
@@ -32,12 +42,14 @@ from lab.run import RunError
 from lab.slot import Interrupted
 from lab.store import reader, writer
 from lab.store.db import Store
+from lab.store.study_storage import study_storage
 from lab.tune import trial as trials
 from lab.arms.ladder import Gate
 from lab.tune.spec import Param, TuneFile, load_tune
 
 log = logging.getLogger("lab.tune")
 CONSTRAINTS = "constraints"
+POLL_S = 2.0  # how often a plain `lab tune` looks whether other processes' trials have ended
 
 
 @dataclass
@@ -49,10 +61,10 @@ class StudyOutcome:
 
 def open_study(store: Store, tune: TuneFile, text: str, name: str) -> optuna.Study:
     """Create or load the study in the store's database; a study of other tune text is refused."""
-    storage = optuna.storages.RDBStorage(store.url, engine_kwargs=_engine_kwargs(store.url))
+    storage = study_storage(store)
     directions = [o.direction or ("maximize" if _higher(tune, o.metric) else "minimize") for o in tune.objectives]
     study = optuna.create_study(storage=storage, study_name=name, directions=directions, load_if_exists=True,
-                                sampler=_sampler(tune))
+                                sampler=_sampler(tune, 0))
     stored = study.user_attrs.get("tune_text")
     if stored is None:
         study.set_user_attr("tune_text", text)
@@ -61,7 +73,10 @@ def open_study(store: Store, tune: TuneFile, text: str, name: str) -> optuna.Stu
     return study
 
 
-def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | Path, console: Console) -> StudyOutcome:
+def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | Path, console: Console,
+        worker: bool = False) -> StudyOutcome:
+    """Take trials until the study's budget is spent; unless `worker`, then wait for the trials other
+    processes are still measuring, so that the confirmation sees them all."""
     tune, text = load_tune(tune_path)
     data = yaml.safe_load(text)
     study_name = name or tune.name
@@ -71,12 +86,8 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
                TextColumn("{task.description}"))
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("", total=tune.budget.trials, completed=_finished(study))
-        while _finished(study) < tune.budget.trials and not _out_of_time(study, tune):
-            trial = study.ask()
-            params = {p.name: _suggest(trial, p) for p in tune.space}
-            me = psutil.Process()
-            trial.set_user_attr("pid", me.pid)
-            trial.set_user_attr("pid_started", me.create_time())
+        while (trial := _next_trial(store, study, tune)) is not None:
+            params = trial.params
             label = f"trial {trial.number} ({_shown(params)})"
             try:
                 run_row, ladder, plan = trials.run_trial(store, tune, data, study_name, trial.number, params, tune_path,
@@ -86,7 +97,7 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
                 trial.set_user_attr("reason", reason)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 progress.console.print(f"✗ {label}: refused: {reason}", markup=False, highlight=False)
-                progress.advance(task)
+                progress.update(task, completed=_finished(study))
                 continue
             trial.set_user_attr("run", run_row.name)
             writer.add_trial(store, study=study_name, number=trial.number, optuna_trial_id=trial._trial_id,
@@ -116,15 +127,48 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
                 progress.console.print(f"✓ {label}: {_shown_values(tune, measured.values)}"
                                        f"{'' if feasible else ' (violates a constraint)'}; best so far "
                                        f"{_best(study, tune)}", markup=False, highlight=False)
-            progress.advance(task)
+            progress.update(task, completed=_finished(study))
+        while not worker and (running := _running(study)):
+            progress.update(task, completed=_finished(study),
+                            description=f"waiting for {_shown_running(running)}")
+            time.sleep(POLL_S)
     states = [t.state for t in study.get_trials(deepcopy=False)]
     return StudyOutcome(study, states.count(optuna.trial.TrialState.COMPLETE),
                         states.count(optuna.trial.TrialState.FAIL))
 
 
+def _next_trial(store: Store, study: optuna.Study, tune: TuneFile) -> optuna.Trial | None:
+    """The next trial with its parameters drawn, or None when the budget is spent. Counting the
+    trials and asking for one happen under the store's lock, so processes sharing the study
+    never overrun its budget between them."""
+    with store.lock(f"lab tune {study.study_name}"):
+        if len(study.get_trials(deepcopy=False)) >= tune.budget.trials or _out_of_time(study, tune):
+            return None
+        study.sampler = _sampler(tune, len(study.get_trials(deepcopy=False)))
+        trial = study.ask()
+        for param in tune.space:
+            _suggest(trial, param)
+        me = psutil.Process()
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("pid", me.pid)
+        trial.set_user_attr("pid_started", me.create_time())
+        return trial
+
+
+def _running(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+
+
+def _shown_running(running: list[optuna.trial.FrozenTrial]) -> str:
+    return ", ".join(f"trial {t.number} on {t.user_attrs.get('host', '?')}" for t in running)
+
+
 def _fail_abandoned(store: Store, study: optuna.Study, grace_s: float) -> None:
-    """Trials left running by a `lab tune` that is gone: stop their engine, fail them, keep their runs."""
-    for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+    """Trials this host left running in a `lab tune` that is gone: stop their engine, fail them, keep
+    their runs. Another host's trials are that host's to judge: its process cannot be seen from here."""
+    for frozen in _running(study):
+        if frozen.user_attrs.get("host", socket.gethostname()) != socket.gethostname():
+            continue
         pid, started = frozen.user_attrs.get("pid"), frozen.user_attrs.get("pid_started")
         if pid is not None and pid != os.getpid() and _alive(pid, started):
             continue  # another `lab tune` on this host is measuring it
@@ -174,11 +218,13 @@ def _suggest(trial: optuna.Trial, param: Param) -> Any:
     return trial.suggest_categorical(param.name, param.choices)
 
 
-def _sampler(tune: TuneFile) -> optuna.samplers.BaseSampler:
-    # Both read the constraints each trial sets (Trial.set_constraint), so infeasible regions are learned.
+def _sampler(tune: TuneFile, number: int) -> optuna.samplers.BaseSampler:
+    """The sampler that draws trial `number`. Both kinds read the constraints each trial sets
+    (Trial.set_constraint), so infeasible regions are learned."""
+    seed = int(np.random.SeedSequence([tune.seed, number]).generate_state(1)[0])
     if len(tune.objectives) == 1:
-        return optuna.samplers.TPESampler(seed=tune.seed)
-    return optuna.samplers.NSGAIISampler(seed=tune.seed)
+        return optuna.samplers.TPESampler(seed=seed)
+    return optuna.samplers.NSGAIISampler(seed=seed)
 
 
 def _gate_key(gate: Gate) -> str:
@@ -191,11 +237,6 @@ def _higher(tune: TuneFile, metric: str) -> bool:
 
     instrument, _, name = metric.partition(".")
     return dict(REGISTRY[instrument]().metrics(getattr(tune.instruments, instrument)))[name] == "higher"
-
-
-def _engine_kwargs(url: str) -> dict[str, Any]:
-    # The lab writes to the same SQLite file between Optuna's writes: wait for its lock, not fail.
-    return {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {}
 
 
 def _shown(params: dict[str, Any]) -> str:

@@ -84,7 +84,10 @@ def test_verdict_for_an_arm_is_replaced_not_duplicated(store) -> None:
 
 
 def test_db_takes_a_path_or_a_url_and_refuses_another_schema(tmp_path) -> None:
-    assert resolve_url("lab.db").startswith("sqlite:////") and resolve_url("postgresql://h/db") == "postgresql://h/db"
+    assert resolve_url("lab.db").startswith("sqlite:////")
+    # PostgreSQL through psycopg 3, the driver the lab installs, unless the URL names another.
+    assert resolve_url("postgresql://u@h/db") == resolve_url("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert resolve_url("postgresql+psycopg2://h/db") == "postgresql+psycopg2://h/db"
     url_store = open_store(f"sqlite:///{tmp_path / 'u.db'}")
     url_store.close()
     assert (tmp_path / "u.db").exists()

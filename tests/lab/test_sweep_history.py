@@ -69,6 +69,20 @@ def test_history_shows_the_labels_and_check_passes_a_steady_series(swept: Path, 
     assert "No metric's latest level is a regression." in page
 
 
+def test_the_run_report_links_its_series_history_page(swept: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db, out = str(swept / "lab.db"), swept / "linked"
+    assert lab_main(["report", "nightly", "--out", str(out), "--db", db]) == 0
+    [report] = list(out.iterdir())
+    assert f"--html {out}` writes its history page" in (report / "index.md").read_text()  # no page yet
+    assert lab_main(["history", "nightly", "--html", str(out), "--db", db]) == 0
+    assert lab_main(["report", "nightly", "--out", str(out), "--db", db]) == 0
+    capsys.readouterr()
+    md = (report / "index.md").read_text()
+    href = md.split("## History")[1].split("[its history page](")[1].split(")")[0]
+    assert "2026-01-03" in (report / href).read_text()  # the link reaches the series' page
+    assert f'<a href="{href}">its history page</a>' in (report / "index.html").read_text()
+
+
 def test_a_label_already_in_the_series_is_refused_in_one_line(swept: Path, capsys: pytest.CaptureFixture[str],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "250")

@@ -21,7 +21,7 @@ from lab.store.db import open_store
 from tests.instruments.ladder_run import REPO
 from tests.lab.test_resume import alive, stop_left_engines
 
-# Seed 4 draws max-num-seqs 0 (refused by the engine's config check) for one of the trials.
+# Seed 4 draws max-num-seqs 0 (refused by the engine's config check) for trial 4 alone.
 TUNE = """\
     name: quicktest
     engine:
@@ -178,3 +178,65 @@ def test_the_published_schema_is_current_and_the_example_tune_file_is_valid() ->
         assert committed["$defs"][part] == current["$defs"][part], f"regenerate it: {part} changed"
     tune, text = load_tune(REPO / "tunes" / "quickstart.yaml")
     assert text.startswith("# yaml-language-server: $schema=./tune.schema.json") and len(tune.space) == 2
+
+
+@pytest.mark.slow
+def test_the_study_report_shows_history_trials_and_how_far_the_confirmation_moved(tuned) -> None:
+    cwd, done, _ = tuned
+    winner = done.stdout.split("winner: ")[1].split()[0]
+    made = lab(cwd, "report", "--study", "quicktest")
+    assert made.returncode == 0, made.stdout + made.stderr
+    folder = cwd / "reports" / "quicktest"
+    assert (folder / "history.png").read_bytes().startswith(b"\x89PNG")
+    assert not (folder / "pareto.png").exists()  # one objective: no front to draw
+    md = (folder / "index.md").read_text()
+    assert f"Winner: {winner}" in md and f"lab serve --best quicktest-confirm --arm {winner}" in md
+    confirmation = md.split("## Confirmation")[1].split("##")[0]
+    assert "| +0.0 % | keep |" in confirmation  # memory figures do not move between boots
+    trials = md.split("## Trials")[1].split("##")[0]
+    assert trials.count("| fail |") == 2 and "max-num-seqs must be positive" in trials
+    assert "optuna-dashboard sqlite:///lab.db" in md
+    rated = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in
+             md.split("## Parameter importances")[1].split("##")[0].splitlines() if line.startswith("| flag:")}
+    # Only the KV budget sets the KV pool's size; the batch width does not.
+    assert rated["flag:kv-cache-memory-bytes"] > rated["flag:max-num-seqs"]
+    assert "<img" in (folder / "index.html").read_text()
+
+
+def test_a_two_objective_study_report_draws_its_pareto_front(tmp_path: Path) -> None:
+    from optuna.distributions import IntDistribution
+
+    from lab.report.tune import write_tune_report
+    from lab.store.study_storage import study_storage
+
+    text = textwrap.dedent(TUNE).replace("objectives:\n  - {metric: memory.kv_pool_tokens}",
+                                         "objectives:\n  - {metric: memory.kv_pool_tokens}\n"
+                                         "  - {metric: memory.kv_pool_gib, direction: minimize}")
+    store = open_store(str(tmp_path / "lab.db"))
+    try:
+        study = optuna.create_study(storage=study_storage(store), study_name="two",
+                                    directions=["maximize", "minimize"])
+        study.set_user_attr("tune_text", text)
+        kv = IntDistribution(4194304, 33554432, log=True)
+        seqs = optuna.distributions.CategoricalDistribution([0, 2, 8])
+        # (tokens, GiB): 0 and 2 trade off, 1 is beaten by 2 on both, 3 breaks the 0.02 GiB constraint.
+        for number, (tokens, gib, violation) in enumerate([(100, 0.004, -0.016), (150, 0.012, -0.008),
+                                                          (200, 0.010, -0.010), (400, 0.030, 0.010)]):
+            study.add_trial(optuna.trial.create_trial(
+                params={"flag:kv-cache-memory-bytes": 4194304 * (number + 1), "flag:max-num-seqs": 2},
+                distributions={"flag:kv-cache-memory-bytes": kv, "flag:max-num-seqs": seqs},
+                values=[tokens, gib], user_attrs={"constraints": [violation]},
+                system_attrs={"constraints": [violation]}))
+        folder = write_tune_report(store, "two", tmp_path / "reports")
+        with pytest.raises(LookupError, match="no study 'nope'"):
+            write_tune_report(store, "nope", tmp_path / "reports")
+    finally:
+        store.close()
+    assert (folder / "pareto.png").read_bytes().startswith(b"\x89PNG")
+    md = (folder / "index.md").read_text()
+    assert "No confirmation yet" in md
+    lines = [line for line in md.split("## Trials")[1].split("##")[0].splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].split("|")[1:-1]]
+    rows = [dict(zip(header, (c.strip() for c in line.split("|")[1:-1]))) for line in lines[2:]]
+    assert [r["trial"] for r in rows if r["Pareto front"] == "yes"] == ["0", "2"]  # 1 is beaten, 3 infeasible
+    assert [r["feasible"] for r in rows] == ["yes", "yes", "yes", "no"]
