@@ -5,7 +5,9 @@ dashboards, alerts and autoscalers written for vLLM read this engine unchanged:
 - `vllm:prompt_tokens_total` counts each request's whole prompt once, when its first token is
   out, prefix-cache hits included (the engine's own `/v1/stats` counts computed tokens instead);
 - `vllm:request_success_total{finished_reason}` counts every request that ended, by why:
-  `stop`, `length` or `abort` (its client went away).
+  `stop`, `length` or `abort` (its client went away);
+- `lab:prefix_cache_tier_hits_total{tier}` (tokens) and `lab:prefix_cache_tier_hit_blocks_total{tier}`
+  split `vllm:prefix_cache_hits_total` by the tier that held the KV: `device`, `host`, `file`.
 
 Gauges and engine counters are read at scrape time; the server observes the per-request ones
 once per request (arrival, first token, finish), so no work is added per streamed token beyond
@@ -23,6 +25,7 @@ from lab.engine.llm_engine import LLMEngine
 from lab.engine.output_processor import RequestPhases
 
 PREFIX = "vllm"
+LAB_PREFIX = "lab"  # this engine's own series, which vLLM has no name for
 LABELS = ["model_name", "engine"]
 ENGINE = "0"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -73,6 +76,14 @@ class _EngineCollector(Collector):
                       e.blocks.prefix_queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       e.blocks.prefix_hits)
+        for name, doc, scale in (
+                ("prefix_cache_tier_hits", "Prefix cache hits by the tier that held the KV, in tokens.",
+                 e.blocks.block_size),
+                ("prefix_cache_tier_hit_blocks", "Prefix cache hits by the tier that held the KV, in blocks.", 1)):
+            c = CounterMetricFamily(f"{LAB_PREFIX}:{name}", doc, labels=LABELS + ["tier"])
+            for tier, blocks in e.blocks.tier_hit_blocks.items():
+                c.add_metric(self.values + [tier], blocks * scale)
+            yield c
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                       e.scheduler.num_preemptions)
         yield counter("generation_tokens", "Number of generation tokens processed.", e.counters.generation_tokens)
