@@ -50,6 +50,7 @@ class BlockManager:
         self.prefix_hits = 0  # prompt tokens found
         self.tiers = tiers
         self.tier_hit_blocks = dict.fromkeys(TIERS, 0)  # prefix hits by the tier that held the block
+        self.tier_queries = 0  # prompt tokens looked up in the tiers under the device (those it missed)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -116,10 +117,14 @@ class BlockManager:
             return
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += hit_blocks * self.block_size
+        device_hits = 0
         for block_id in seq.block_table[:hit_blocks]:
             block = self.blocks[block_id]
             self.tier_hit_blocks[block.origin or "device"] += 1
+            device_hits += block.origin is None
             block.origin = None  # from now on it is a device hit
+        if self.tiers is not None:
+            self.tier_queries += seq.num_tokens - device_hits * self.block_size
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step computed K/V, give every newly filled block its chained hash."""

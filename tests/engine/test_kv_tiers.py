@@ -129,7 +129,10 @@ def test_a_restarted_server_serves_the_prompt_from_the_file_and_reports_it(tmp_p
     assert not stats["cold"]
     assert stats["prefix_cache"]["hits_by_tier"]["file"] == {"blocks": FULL, "tokens": FULL * 16}
     assert stats["prefix_cache"]["tiers"]["file"]["blocks_found_at_start"] == FULL
-    assert 'lab:prefix_cache_tier_hits_total{engine="0",model_name="smollm2-135m",tier="file"} 96.0' in metrics
+    labels = '{engine="0",model_name="smollm2-135m"}'
+    assert f"vllm:external_prefix_cache_hits_total{labels} 96.0" in metrics
+    assert f"vllm:external_prefix_cache_queries_total{labels} 100.0" in metrics  # the device held none of it
+    assert f"vllm:prefix_cache_hits_total{labels} 0.0" in metrics
 
 
 def test_tier_knobs_refuse_what_cannot_work() -> None:
