@@ -7,7 +7,8 @@ user chunk of seeded token ids; greedy, a few output tokens), stops the engine, 
 flags and sends the conversation's next turn (the whole history): the first request after a
 restart, which with the file tier finds the history's KV on disk instead of recomputing it. Each
 setting repeats restart + resume `--repeats` times (every boot starts with an empty device
-cache); the conversation is played once per setting, on a fresh file.
+cache); the conversation is played once per setting, on a fresh file, and every resume starts
+from the file as the play left it.
 
     python benchmarks/tier_restart.py                                   # CPU, SmolLM2, ~6K tokens
     python benchmarks/tier_restart.py --model dummy:llama3-8b --device cuda \\
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -87,8 +89,9 @@ def conversation(args: argparse.Namespace) -> list[list[int]]:
 
 def run_setting(setting: str, args: argparse.Namespace, base: list[str], workdir: Path) -> dict:
     flags = list(base)
+    path = workdir / "conversation.kvtier"
+    played = workdir / "conversation.kvtier.played"
     if setting == "file":
-        path = workdir / "conversation.kvtier"
         path.unlink(missing_ok=True)
         flags += ["--kv-file-tier-bytes", str(args.file_tier_bytes), "--kv-file-tier-path", str(path)]
     logs = workdir / f"engine-{setting}.log"
@@ -108,7 +111,12 @@ def run_setting(setting: str, args: argparse.Namespace, base: list[str], workdir
               "resume_prompt_tokens": len(resume), "play_s": play_s, "play_ttft_s": play_ttfts,
               "play_tiers": stats["prefix_cache"].get("tiers"), "resumes": []}
     print(f"{setting}: played {len(chunks) - 1} turns in {play_s:.1f} s, history {len(history)} tokens", flush=True)
+    if setting == "file":
+        shutil.copyfile(path, played)
     for i in range(args.repeats):
+        if setting == "file":
+            # Each resume writes the new turn's blocks; every restart starts from the played file.
+            shutil.copyfile(played, path)
         with Engine(flags, logs, args.model) as engine:
             ttft, usage = stream_ttft(engine.url, args.model, resume, args.max_tokens)
             stats = engine.stats()
@@ -133,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=0, help="default: the resumed prompt plus margin")
     ap.add_argument("--file-tier-bytes", type=int, default=0,
                     help="default: room for the whole conversation's KV, with margin")
+    ap.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                    help="which settings to run (one per call splits a long run in two)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=None, help="where the tier file and engine logs go")
     ap.add_argument("--json", type=Path, default=None)
@@ -144,17 +154,18 @@ def main(argv: list[str] | None = None) -> None:
     base = ["--model", args.model, "--device", args.device, "--max-model-len", str(max_len), *args.engine_flags]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tier-restart-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    if not args.file_tier_bytes:
+    if "file" in args.settings and not args.file_tier_bytes:
         with Engine(base, workdir / "engine-probe.log", args.model) as engine:
             pool = engine.stats()["kv_pool"]
         per_token = pool["bytes"] / pool["tokens"]
         args.file_tier_bytes = int(per_token * max_len * 1.25) + (64 << 20)
     print(f"{args.model} on {args.device}: {turns - 1} turns of {args.turn_tokens} tokens, resume ~{total} tokens, "
           f"file tier {args.file_tier_bytes / 2**30:.2f} GiB in {workdir}", flush=True)
-    results = [run_setting(s, args, base, workdir) for s in SETTINGS]
-    off, on = (r["resume_ttft_median_s"] for r in results)
-    print(f"resume TTFT after restart, median of {args.repeats}: off {off:.3f} s, file tier {on:.3f} s "
-          f"({off / on:.1f}x)")
+    results = [run_setting(s, args, base, workdir) for s in args.settings]
+    medians = {r["setting"]: r["resume_ttft_median_s"] for r in results}
+    print(f"resume TTFT after restart, median of {args.repeats}: "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in medians.items())
+          + (f" ({medians['off'] / medians['file']:.1f}x)" if len(medians) == 2 else ""))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                         indent=1))
