@@ -22,8 +22,7 @@ from lab.engine.weight_cache import cache_root
 
 log = logging.getLogger(__name__)
 
-DEVICE, HOST, FILE = "device", "host", "file"
-TIERS = (DEVICE, HOST, FILE)
+HOST, FILE = "host", "file"  # the names hit counts go under (block_manager.TIERS)
 
 
 def file_tier_path(config: EngineConfig) -> Path:
