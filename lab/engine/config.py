@@ -46,6 +46,15 @@ class EngineConfig:
     max_parallel_prefills: int = _knob(0, "most requests prefilling in one step (0 = no cap)")
     enable_prefix_caching: bool = _knob(True, "reuse KV blocks of identical prompt prefixes")
     prefix_cache_retention: int = _knob(-1, "cached blocks kept once no request uses them, LRU (-1 = all that fit)")
+    kv_host_tier_bytes: int = _knob(0, "host-memory tier under the prefix cache: bytes of evicted KV blocks kept in "
+                                    "RAM and copied back on a prefix hit instead of recomputed (0 = off)")
+    kv_file_tier_bytes: int = _knob(0, "file tier under the prefix cache: bytes of KV blocks kept in a file that a "
+                                    "restarted engine with the same model and config hash reads back (0 = off)")
+    kv_file_tier_path: str = _knob("", "the file tier's file (empty = <LAB_CACHE_DIR or ~/.cache/lab>/kv-tiers/"
+                                   "<config hash>.kvtier)")
+    kv_tier_write_policy: str = _knob("write-through", "when blocks reach the tiers: write-through = as soon as a "
+                                      "prefix-cache block is full (a restart finds everything), on-evict = when "
+                                      "the tier above evicts it", ("write-through", "on-evict"))
     schedule_policy: str = _knob("decode-first", "which work a step takes first", ("decode-first", "prefill-first"))
     max_waiting: int = _knob(1024, "requests allowed to wait for a slot; beyond it new requests get 503")
     attention_backend: str = _knob("auto", "attention implementation (auto = triton on CUDA, torch on CPU)",
@@ -150,7 +159,7 @@ def validate(cfg: EngineConfig) -> None:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
     non_negative = ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "long_prefill_token_threshold",
-                    "max_parallel_prefills", "max_waiting")
+                    "max_parallel_prefills", "max_waiting", "kv_host_tier_bytes", "kv_file_tier_bytes")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")
@@ -162,6 +171,10 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"--gil-switch-interval-ms must be in (0, 1000], got {cfg.gil_switch_interval_ms}")
     if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
+    if (cfg.kv_host_tier_bytes or cfg.kv_file_tier_bytes) and not cfg.enable_prefix_caching:
+        raise ConfigError("--kv-host-tier-bytes / --kv-file-tier-bytes need --enable-prefix-caching true")
+    if cfg.kv_file_tier_path and not cfg.kv_file_tier_bytes:
+        raise ConfigError("--kv-file-tier-path is set but --kv-file-tier-bytes is 0 (the file tier is off)")
     if cfg.prefix_cache_retention < -1:
         raise ConfigError(f"--prefix-cache-retention must be -1 (all) or >= 0, got {cfg.prefix_cache_retention}")
 

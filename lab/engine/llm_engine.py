@@ -13,6 +13,7 @@ import torch
 from lab.engine import cpu_linear
 from lab.engine.block_manager import BlockManager
 from lab.engine.config import ConfigError, EngineConfig
+from lab.engine.kv_tiers import build_tiers
 from lab.engine.loader import LoadedModel, load_model
 from lab.engine.model_runner import InflightStep, ModelRunner, resolve_device, resolve_dtype
 from lab.engine.output_processor import OutputProcessor, RequestOutput
@@ -69,8 +70,12 @@ class LLMEngine:
             raise ConfigError(f"the KV pool holds {pool_tokens} tokens ({self.runner.num_blocks} blocks of "
                               f"{config.block_size}), less than one full-length request of {self.max_model_len}; "
                               "raise --num-kv-blocks/--kv-cache-memory-bytes or lower --max-model-len")
+        self.tiers = build_tiers(config, self.runner.kv_cache,
+                                 {"model": config.model, "source_hash": self.loaded.source_hash})
+        if self.tiers is not None and self.tiers.file is not None:
+            self.caches.watch_file_tier(self.tiers.file)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                   config.prefix_cache_retention)
+                                   config.prefix_cache_retention, self.tiers)
         self.scheduler = Scheduler(config, self.blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Sequence] = {}

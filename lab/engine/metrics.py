@@ -5,7 +5,11 @@ dashboards, alerts and autoscalers written for vLLM read this engine unchanged:
 - `vllm:prompt_tokens_total` counts each request's whole prompt once, when its first token is
   out, prefix-cache hits included (the engine's own `/v1/stats` counts computed tokens instead);
 - `vllm:request_success_total{finished_reason}` counts every request that ended, by why:
-  `stop`, `length` or `abort` (its client went away).
+  `stop`, `length` or `abort` (its client went away);
+- `vllm:prefix_cache_hits_total` counts hits in the device KV pool only and
+  `vllm:external_prefix_cache_{queries,hits}_total` the tokens asked of and found in the tiers
+  under it (host memory, file), as vLLM counts its local cache and a KV connector's apart; the
+  split by tier is in `/v1/stats`.
 
 Gauges and engine counters are read at scrape time; the server observes the per-request ones
 once per request (arrival, first token, finish), so no work is added per streamed token beyond
@@ -72,7 +76,12 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       e.blocks.prefix_queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      e.blocks.prefix_hits)
+                      e.blocks.tier_hit_blocks["device"] * e.blocks.block_size)
+        yield counter("external_prefix_cache_queries", "External prefix cache queries from KV connector "
+                      "cross-instance cache sharing, in terms of number of queried tokens.", e.blocks.tier_queries)
+        yield counter("external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance "
+                      "cache sharing, in terms of number of cached tokens.",
+                      (e.blocks.tier_hit_blocks["host"] + e.blocks.tier_hit_blocks["file"]) * e.blocks.block_size)
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                       e.scheduler.num_preemptions)
         yield counter("generation_tokens", "Number of generation tokens processed.", e.counters.generation_tokens)

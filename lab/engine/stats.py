@@ -60,7 +60,11 @@ def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -
         "blocks_in_use": blocks.num_used_blocks,
         "kv_usage": blocks.num_used_blocks / max(1, blocks.num_blocks),
         "prefix_cache": {"queries": blocks.prefix_queries, "hits": blocks.prefix_hits,
-                         "cached_blocks": len(blocks.hash_to_block)},
+                         "cached_blocks": len(blocks.hash_to_block),
+                         # Hits by the tier that held the block: device, host memory, file.
+                         "hits_by_tier": {t: {"blocks": n, "tokens": n * blocks.block_size}
+                                          for t, n in blocks.tier_hit_blocks.items()},
+                         "tiers": engine.tiers.stats() if engine.tiers is not None else None},
         "preemptions": engine.scheduler.num_preemptions,
         "running": engine.num_running,
         "waiting": engine.num_waiting,

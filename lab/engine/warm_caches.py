@@ -2,7 +2,7 @@
 later boot reuses what it built and skips that work, so the lab leaves a cold boot's figures out
 of its verdicts.
 
-Three caches qualify. The dequantized-GGUF weight cache (`weight_cache.py`) is built at load; the
+Four caches qualify. The dequantized-GGUF weight cache (`weight_cache.py`) is built at load; the
 loader knows whether it was. On the CPU, the file of product layouts measured on this host
 (`cpu_linear.py`) is measured and written at load when it lacks one of the model's shapes. A
 load that measured while the host was too busy to trust the figures writes nothing, so no later
@@ -11,7 +11,11 @@ is boot-to-boot noise that the window's controls see. Triton's kernel cache is f
 are compiled: at warm-up and CUDA-graph capture, and at the first use of a new specialization
 while serving, so it can grow long after the engine is ready. Random `dummy:` weights are made in
 memory on every boot and reused by none, so they make no boot cold; nothing in the engine calls
-torch.compile, so torch's inductor caches are not watched.
+torch.compile, so torch's inductor caches are not watched. The KV file tier (`file_tier.py`) is
+an on-disk cache that fills while serving: the blocks this boot wrote into it are what a later
+boot with the same model and config finds instead of recomputing, so a boot that wrote any is
+cold, as one that compiled a kernel is, and a boot that only read blocks an earlier boot wrote is
+warm.
 
 Triton keeps one top-level directory per compiled kernel hash, so the names added to its cache
 directory since the snapshot count the kernels compiled. Names added by another process sharing
@@ -24,11 +28,17 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 log = logging.getLogger(__name__)
 
-WEIGHTS, TRITON, CPU_PRODUCTS = "weights", "triton", "cpu-linear"
+WEIGHTS, TRITON, CPU_PRODUCTS, KV_FILE_TIER = "weights", "triton", "cpu-linear", "kv-file-tier"
+
+
+class FileCache(Protocol):
+    """A cache that fills while serving and counts what this process wrote (`FileTier`)."""
+    path: Path
+    blocks_written: int
 
 
 def triton_cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
@@ -71,6 +81,7 @@ class BuiltCaches:
     watched: list[WatchedDirectory]
     weights_built_in: str | None = None  # the weight cache directory the load built
     products_written: tuple[str, ...] = ()  # product-layout files the load measured and wrote
+    file_tier: FileCache | None = None
 
     @classmethod
     def snapshot(cls, environ: Mapping[str, str] = os.environ) -> BuiltCaches:
@@ -86,6 +97,9 @@ class BuiltCaches:
         """The load measured CPU product layouts and wrote these choices files (empty: none)."""
         self.products_written = tuple(str(p) for p in written)
 
+    def watch_file_tier(self, tier: FileCache) -> None:
+        self.file_tier = tier
+
     def built(self) -> list[dict[str, Any]]:
         """One entry per cache built since the snapshot, e.g. `{"cache": "weights", "path": ...,
         "built": true}`, `{"cache": "triton", "path": ..., "entries_added": 14}`; empty when warm."""
@@ -98,4 +112,7 @@ class BuiltCaches:
             added = directory.entries_added()
             if added:
                 found.append({"cache": directory.cache, "path": str(directory.path), "entries_added": added})
+        if self.file_tier is not None and self.file_tier.blocks_written:
+            found.append({"cache": KV_FILE_TIER, "path": str(self.file_tier.path),
+                          "entries_added": self.file_tier.blocks_written})
         return found

@@ -31,6 +31,7 @@ VLLM_DOCUMENTED = {
     "vllm:request_decode_time_seconds", "vllm:cache_config_info", "vllm:lora_requests_info",
     "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
     "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits",  # a KV connector's cache (V1)
 }
 # The ones dashboards and autoscalers read first: this engine must export them.
 VLLM_CORE = {
