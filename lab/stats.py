@@ -137,6 +137,34 @@ def bootstrap_ratio_of_medians(a: Sequence[float], b: Sequence[float], n_resampl
                     method=f"percentile bootstrap (not BCa), {2 * n_resamples} resampled ratios, seed {seed}")
 
 
+@dataclass(frozen=True)
+class RatioSummary:
+    """Repeats of a new side against a reference: the bootstrap interval of median(new) /
+    median(reference) as a change in percent, and a Mann-Whitney test of the same samples."""
+
+    n_new: int
+    n_reference: int
+    low_pct: float  # better positive when the direction is known, else the raw change
+    high_pct: float
+    interval: Interval
+    test: MannWhitney
+    min_reachable_p: float  # below which `test` cannot go at these sample sizes
+
+
+def ratio_summary(new: Sequence[float], reference: Sequence[float], higher_is_better: bool | None,
+                  confidence: float, seed: int) -> RatioSummary:
+    """What `lab compare` and the KEEP rule's repeats line say about two sets of repeats; needs at
+    least 2 positive values a side (`bootstrap_ratio_of_medians` says why not otherwise)."""
+    interval = bootstrap_ratio_of_medians(new, reference, confidence=confidence, seed=seed)
+    if higher_is_better is False:
+        # A lower figure is the improvement: the ratio is turned around so better stays positive.
+        low, high = (1 - interval.high) * 100, (1 - interval.low) * 100
+    else:
+        low, high = (interval.low - 1) * 100, (interval.high - 1) * 100
+    return RatioSummary(n_new=len(new), n_reference=len(reference), low_pct=low, high_pct=high, interval=interval,
+                        test=mann_whitney(new, reference), min_reachable_p=min_reachable_p(len(new), len(reference)))
+
+
 def _resampled_medians(values: np.ndarray, draws: np.ndarray) -> np.ndarray:
     return np.median(values[draws[:, :values.size] % values.size], axis=1)
 
