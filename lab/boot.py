@@ -149,14 +149,7 @@ class EngineProcess:
         pgid = self.proc.pid  # start_new_session made the child its group's leader
         stopped_by = "exited"
         if self.alive() or group_alive(pgid):
-            stopped_by = "SIGTERM"
-            _killpg(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and (self.alive() or group_alive(pgid)):
-                time.sleep(0.05)
-            if self.alive() or group_alive(pgid):
-                stopped_by = "SIGKILL"
-                _killpg(pgid, signal.SIGKILL)
+            stopped_by = _stop_group(pgid, grace_s, lambda: self.alive() or group_alive(pgid))
         status = self.proc.wait()
         return Stopped(status, stopped_by)
 
@@ -200,13 +193,20 @@ def stop_orphan(pid: int, created: float | None, grace_s: float) -> bool:
             return False
     except (psutil.Error, ProcessLookupError):
         return False
-    _killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and group_alive(pid):
-        time.sleep(0.05)
-    if group_alive(pid):
-        _killpg(pid, signal.SIGKILL)
+    _stop_group(pid, grace_s, lambda: group_alive(pid))
     return True
+
+
+def _stop_group(pgid: int, grace_s: float, running: Callable[[], bool]) -> str:
+    """SIGTERM to the group, SIGKILL to it if `running()` still after `grace_s`; the last signal sent."""
+    _killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and running():
+        time.sleep(0.05)
+    if running():
+        _killpg(pgid, signal.SIGKILL)
+        return "SIGKILL"
+    return "SIGTERM"
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:

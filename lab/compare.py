@@ -38,8 +38,7 @@ from rich.table import Table
 from sqlalchemy import func, select
 
 from lab import keep, verdicts
-from lab.stats import (bootstrap_ratio_of_medians, mann_whitney, median_of_repeats, min_reachable_p, noise_band,
-                       paired_counts, relative_delta)
+from lab.stats import median_of_repeats, noise_band, paired_counts, ratio_summary, relative_delta
 from lab.store import models as m
 from lab.store import reader
 from lab.store.db import Store
@@ -322,14 +321,10 @@ def _statistics(a: list[float], b: list[float], higher: bool | None, threshold: 
         return Statistics("none", f"{sizes}: no interval (needs ≥ 2 samples per side)", f"{sizes}: no CI", n_a, n_b)
     if min(a + b) <= 0:
         return Statistics("none", f"{sizes}, not all positive: no ratio interval", f"{sizes}: no CI", n_a, n_b)
-    interval = bootstrap_ratio_of_medians(b, a, confidence=CONFIDENCE, seed=CI_SEED)
-    # The same sign as Δ %: better is positive, so a lower-is-better ratio is turned around.
-    if higher is False:
-        low, high = (1 - interval.high) * 100, (1 - interval.low) * 100
-        of = "of median B/A, better positive"
-    else:
-        low, high = (interval.low - 1) * 100, (interval.high - 1) * 100
-        of = "of median B/A" + (", better positive" if higher else "")
+    # The same sign as Δ %: better is positive.
+    summary = ratio_summary(b, a, higher, CONFIDENCE, CI_SEED)
+    low, high = summary.low_pct, summary.high_pct
+    of = "of median B/A" + ("" if higher is None else ", better positive")
     shown = f"{CONFIDENCE * 100:g} % CI [{low:+.1f}, {high:+.1f}] %"
     text = f"{sizes}: {shown} {of} (percentile bootstrap)"
     if low > threshold or high < -threshold:
@@ -341,14 +336,13 @@ def _statistics(a: list[float], b: list[float], higher: bool | None, threshold: 
     else:
         text += f": not established beyond ±{threshold:g} %"
         short = f"{shown} bootstrap: not established"
-    floor = min_reachable_p(n_a, n_b)
+    floor, test = summary.min_reachable_p, summary.test
     if floor >= ALPHA:
         text += f"; Mann-Whitney not used: {n_a} vs {n_b} cannot reach p < {ALPHA:g} (smallest p {floor:.2g})"
-        return Statistics("bootstrap", text, short, n_a, n_b, low, high, interval.method)
-    test = mann_whitney(b, a)
+        return Statistics("bootstrap", text, short, n_a, n_b, low, high, summary.interval.method)
     text += f"; Mann-Whitney p={test.p:.2g} ({test.method})"
     return Statistics("bootstrap + mann-whitney", text, f"{short}; MW p={test.p:.2g}", n_a, n_b, low, high,
-                      interval.method, test.p, test.method)
+                      summary.interval.method, test.p, test.method)
 
 
 def _quality(store: Store, a: Side, b: Side) -> Quality:
@@ -512,7 +506,4 @@ def _holds(ok: bool | None) -> str:
 
 
 def _num(value: float | None) -> str:
-    """A figure in full from 100 up (every digit before the point, one after it); four significant digits below."""
-    if value is None:
-        return "–"
-    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4g}"
+    return "–" if value is None else keep.figure_text(value)

@@ -12,14 +12,8 @@ GIB = 1024**3
 
 
 def mem_available_bytes() -> int:
-    """The kernel's MemAvailable (what a new process can get without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """The kernel's MemAvailable (what a new process can get without swapping); psutil reads it
+    from /proc/meminfo on Linux."""
     return int(psutil.virtual_memory().available)
 
 

@@ -53,8 +53,7 @@ from typing import Any, NamedTuple
 
 from lab import effects
 from lab.effects import Interval, Noise
-from lab.stats import (bootstrap_ratio_of_medians, mann_whitney, median_of_repeats, min_reachable_p,
-                       noise_band, relative_delta)
+from lab.stats import median_of_repeats, noise_band, ratio_summary, relative_delta
 
 DEFAULT_THRESHOLD_PCT = 2.0
 CI_CONFIDENCE = 0.95
@@ -327,7 +326,7 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
     control_values = tuple(median_of_repeats(boot.values[name]) for boot in controls)
     reference = _mean(list(control_values))
     shown_controls = ("controls " if len(control_values) > 1 else "control ") + "/".join(
-        _num(v) for v in control_values)
+        figure_text(v) for v in control_values)
     base = MetricRow(name, metric.higher_is_better, MetricStatus.INVALID, arm_value=arm_value,
                      control_values=control_values, reference=reference)
 
@@ -364,7 +363,7 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
 
     threshold = rule.threshold_pct
     shown_delta = pct_text(delta, threshold, signed=True)
-    tail = f" vs {shown_controls}: arm {_num(arm_value)}" + ("" if metric.higher_is_better else " (lower is better)")
+    tail = f" vs {shown_controls}: arm {figure_text(arm_value)}" + ("" if metric.higher_is_better else " (lower is better)")
     if delta > threshold:
         status, kind = MetricStatus.IMPROVED, _Kind.IMPROVEMENT
         text = f"{name} {shown_delta} % (> {threshold:g} %){tail}"
@@ -424,16 +423,11 @@ def _repeats_evidence(metric: KeyMetric, arm_boots: list[BootValues],
     # A ratio of medians needs positive figures; rates and latencies are, counts of zero are not.
     if min(len(arm_samples), len(control_samples)) < 2 or min(arm_samples + control_samples) <= 0:
         return None
-    interval = bootstrap_ratio_of_medians(arm_samples, control_samples, confidence=CI_CONFIDENCE, seed=CI_SEED)
-    if metric.higher_is_better:
-        low, high = (interval.low - 1) * 100, (interval.high - 1) * 100
-    else:
-        low, high = (1 - interval.high) * 100, (1 - interval.low) * 100
-    test = mann_whitney(arm_samples, control_samples)
-    return RepeatsEvidence(n_arm=len(arm_samples), n_control=len(control_samples), ci_low_pct=low,
-                           ci_high_pct=high, ci_confidence=interval.confidence, ci_method=interval.method,
-                           mann_whitney_p=test.p, mann_whitney_method=test.method,
-                           min_reachable_p=min_reachable_p(len(arm_samples), len(control_samples)))
+    summary = ratio_summary(arm_samples, control_samples, metric.higher_is_better, CI_CONFIDENCE, CI_SEED)
+    return RepeatsEvidence(n_arm=summary.n_new, n_control=summary.n_reference, ci_low_pct=summary.low_pct,
+                           ci_high_pct=summary.high_pct, ci_confidence=summary.interval.confidence,
+                           ci_method=summary.interval.method, mann_whitney_p=summary.test.p,
+                           mann_whitney_method=summary.test.method, min_reachable_p=summary.min_reachable_p)
 
 
 def _repeats_text(repeats: RepeatsEvidence, status: MetricStatus, threshold: float) -> str:
@@ -452,9 +446,11 @@ def _mean(values: list[float]) -> float:
     return math.fsum(values) / len(values)
 
 
-def _num(value: float) -> str:
-    """A figure as a person reads it: one decimal from 10 up, three significant digits below."""
-    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+def figure_text(value: float) -> str:
+    """A figure as the KEEP lines and `lab compare` print it: every digit before the point and one
+    after it from 10 up (a piped table must not round 1098765432.25 to 1.099e+09); four
+    significant digits below."""
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.4g}"
 
 
 def pct_text(value: float, threshold: float, signed: bool) -> str:

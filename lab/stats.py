@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
 from scipy import stats as _scipy_stats
@@ -26,15 +25,15 @@ _BOOTSTRAP_BLOCK_ELEMENTS = 1 << 20
 def mcnemar_exact(b: int, c: int) -> float:
     """Two-sided exact McNemar p for discordant pairs: b broke (control pass, arm fail), c fixed.
 
-    Under the null each discordant pair is a fair coin, so b ~ Bin(b + c, 1/2) and
-    p = min(1, 2 * sum_{i <= min(b, c)} C(n, i) / 2^n). Computed in exact rationals so that large
-    task sets do not lose the tail to floating-point cancellation. b = c = 0 gives 1.0.
+    Under the null each discordant pair is a fair coin, so this is scipy's exact binomial test of
+    min(b, c) successes in b + c trials at 1/2; testing the smaller count makes p(b, c) == p(c, b)
+    exactly. b = c = 0 gives 1.0.
     """
     if b < 0 or c < 0:
         raise ValueError(f"McNemar counts must be non-negative, got broke={b}, fixed={c}")
-    n = b + c
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
-    return float(min(Fraction(1), Fraction(2 * tail, 2**n)))
+    if b + c == 0:
+        return 1.0  # scipy refuses zero trials; no discordant pair is no evidence
+    return float(_scipy_stats.binomtest(min(b, c), b + c, 0.5).pvalue)
 
 
 @dataclass(frozen=True)
@@ -138,6 +137,34 @@ def bootstrap_ratio_of_medians(a: Sequence[float], b: Sequence[float], n_resampl
                     method=f"percentile bootstrap (not BCa), {2 * n_resamples} resampled ratios, seed {seed}")
 
 
+@dataclass(frozen=True)
+class RatioSummary:
+    """Repeats of a new side against a reference: the bootstrap interval of median(new) /
+    median(reference) as a change in percent, and a Mann-Whitney test of the same samples."""
+
+    n_new: int
+    n_reference: int
+    low_pct: float  # better positive when the direction is known, else the raw change
+    high_pct: float
+    interval: Interval
+    test: MannWhitney
+    min_reachable_p: float  # below which `test` cannot go at these sample sizes
+
+
+def ratio_summary(new: Sequence[float], reference: Sequence[float], higher_is_better: bool | None,
+                  confidence: float, seed: int) -> RatioSummary:
+    """What `lab compare` and the KEEP rule's repeats line say about two sets of repeats; needs at
+    least 2 positive values a side (`bootstrap_ratio_of_medians` says why not otherwise)."""
+    interval = bootstrap_ratio_of_medians(new, reference, confidence=confidence, seed=seed)
+    if higher_is_better is False:
+        # A lower figure is the improvement: the ratio is turned around so better stays positive.
+        low, high = (1 - interval.high) * 100, (1 - interval.low) * 100
+    else:
+        low, high = (interval.low - 1) * 100, (interval.high - 1) * 100
+    return RatioSummary(n_new=len(new), n_reference=len(reference), low_pct=low, high_pct=high, interval=interval,
+                        test=mann_whitney(new, reference), min_reachable_p=min_reachable_p(len(new), len(reference)))
+
+
 def _resampled_medians(values: np.ndarray, draws: np.ndarray) -> np.ndarray:
     return np.median(values[draws[:, :values.size] % values.size], axis=1)
 
@@ -150,7 +177,7 @@ class MannWhitney:
 
 
 def mann_whitney(a: Sequence[float], b: Sequence[float]) -> MannWhitney:
-    """Two-sided Mann-Whitney U test.
+    """Two-sided Mann-Whitney U test (scipy's `mannwhitneyu`).
 
     Exact null distribution when there are no ties and n_a * n_b <= 2500; otherwise the normal
     approximation with the tie-corrected variance and a 0.5 continuity correction. `method`
@@ -160,50 +187,13 @@ def mann_whitney(a: Sequence[float], b: Sequence[float]) -> MannWhitney:
     y = _finite_array(b, "b")
     if x.size == 0 or y.size == 0:
         raise ValueError(f"Mann-Whitney needs at least 1 sample per side, got {x.size} and {y.size}")
-    n1, n2 = x.size, y.size
-    pooled = np.concatenate([x, y])
-    ranks = _scipy_stats.rankdata(pooled)
-    u = float(ranks[:n1].sum() - n1 * (n1 + 1) / 2)
-    _, tie_sizes = np.unique(pooled, return_counts=True)
-    has_ties = bool((tie_sizes > 1).any())
-
-    if not has_ties and n1 * n2 <= _EXACT_U_MAX_PAIRS:
-        # The distribution is symmetric about n1*n2/2, so the two-sided p doubles the lower tail
-        # at the smaller of U and its mirror.
-        counts = _u_null_counts(n1, n2)
-        lower = int(min(u, n1 * n2 - u))
-        p = min(Fraction(1), Fraction(2 * sum(counts[:lower + 1]), math.comb(n1 + n2, n1)))
-        return MannWhitney(u=u, p=float(p), method="exact")
-
-    n = n1 + n2
-    tie_term = float((tie_sizes.astype(float) ** 3 - tie_sizes).sum())
-    variance = n1 * n2 / 12 * ((n + 1) - tie_term / (n * (n - 1)))
+    has_ties = np.unique(np.concatenate([x, y])).size < x.size + y.size
+    if not has_ties and x.size * y.size <= _EXACT_U_MAX_PAIRS:
+        test = _scipy_stats.mannwhitneyu(x, y, alternative="two-sided", method="exact")
+        return MannWhitney(u=float(test.statistic), p=float(test.pvalue), method="exact")
+    test = _scipy_stats.mannwhitneyu(x, y, alternative="two-sided", method="asymptotic", use_continuity=True)
     method = "normal approximation, tie-corrected" if has_ties else "normal approximation"
-    if variance <= 0:
-        # Every value is equal: the samples carry no evidence of a difference.
-        return MannWhitney(u=u, p=1.0, method=method)
-    z = (abs(u - n1 * n2 / 2) - 0.5) / math.sqrt(variance)
-    return MannWhitney(u=u, p=float(min(1.0, 2 * _scipy_stats.norm.sf(z))), method=method)
-
-
-def _u_null_counts(n1: int, n2: int) -> list[int]:
-    """How many of the C(n1+n2, n1) rank orderings give each U = 0 .. n1*n2.
-
-    These are the coefficients of the Gaussian binomial [n1+n2 choose n1]_q, built as
-    prod_{i=1..n1} (1 - q^(n2+i)) / (1 - q^i); each partial product is itself a Gaussian binomial,
-    so every division is exact and the coefficients stay integers.
-    """
-    small, large = sorted((n1, n2))
-    coeffs = [1]
-    for i in range(1, small + 1):
-        shift = large + i
-        product = coeffs + [0] * shift
-        for j, c in enumerate(coeffs):
-            product[j + shift] -= c
-        for j in range(i, len(product)):
-            product[j] += product[j - i]
-        coeffs = product[:i * large + 1]
-    return coeffs
+    return MannWhitney(u=float(test.statistic), p=float(test.pvalue), method=method)
 
 
 def min_reachable_p(n1: int, n2: int) -> float:

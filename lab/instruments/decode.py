@@ -33,6 +33,7 @@ from bisect import bisect_right
 from collections import defaultdict
 from typing import Any, ClassVar, Literal
 
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field, conint, field_validator
 
 from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
@@ -230,19 +231,19 @@ def steady_agg_tok_s(streams: list[Receipt], level: int) -> tuple[float | None, 
 
 def spec_counters(metrics: str | None) -> dict[str, float]:
     """Totals of vLLM's speculative-decoding counters in a Prometheus exposition, summed over
-    label sets; empty when the engine exposes none."""
+    label sets; empty when the engine exposes none or the exposition does not parse."""
     totals: dict[str, float] = {}
-    for line in (metrics or "").splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        base = series.split("{", 1)[0].rpartition(":")[2].removesuffix("_total")
-        for key, counter in SPEC_COUNTERS.items():
-            if base == counter:
-                try:
-                    totals[key] = totals.get(key, 0.0) + float(value)
-                except ValueError:
-                    continue
+    try:
+        for family in text_string_to_metric_families(metrics or ""):
+            for sample in family.samples:
+                # Counters' `_created` samples never match: only `_total` is stripped.
+                base = sample.name.rpartition(":")[2].removesuffix("_total")
+                for key, counter in SPEC_COUNTERS.items():
+                    if base == counter:
+                        totals[key] = totals.get(key, 0.0) + sample.value
+    except ValueError:
+        # Half a malformed exposition would give a before/after pair of different sums.
+        return {}
     return totals
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from lab.instruments.decode import DecodeInstrument, DecodeParams, spec_cells, spec_counters, steady_agg_tok_s
 from lab.instruments.decode_prompts import CATEGORIES
@@ -65,6 +66,15 @@ def test_speculative_counters_are_summed_over_label_sets() -> None:
     ])
     assert spec_counters(text) == {"accepted": 400.0, "drafted": 500.0, "drafts": 100.0}
     assert spec_counters("lab:generation_tokens_total 12") == {} and spec_counters(None) == {}
+    assert spec_counters("vllm:spec_decode_num_drafts_total twelve") == {}
+
+
+def test_speculative_counters_leave_out_a_typed_counters_created_sample() -> None:
+    registry = CollectorRegistry()
+    accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Accepted.", ["engine"], registry=registry)
+    accepted.labels("0").inc(7)
+    accepted.labels("1").inc(3)
+    assert spec_counters(generate_latest(registry).decode()) == {"accepted": 10.0}
 
 
 def test_speculative_acceptance_is_the_change_over_the_level() -> None:

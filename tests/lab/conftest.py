@@ -51,6 +51,41 @@ def store(tmp_path: Path):
     s.close()
 
 
+# kv_pool_tokens is set by the arm's memory budget, so the verdict is certain: twice the pool is kept.
+KV_LADDER = """\
+    name: kv
+    engine:
+      kind: bundled
+      model: dummy:tiny
+      flags: {device: cpu, max-model-len: 512, kv-cache-memory-bytes: 8388608}
+    windows:
+      - name: W1
+        control: C0ctl
+        arms:
+          - {name: A1kv16m, flags: {kv-cache-memory-bytes: 16777216}}
+    instruments:
+      memory:
+    keep:
+      metrics: [memory.kv_pool_tokens]
+    """
+KV_LABELS = ("2026-01-01", "2026-01-02", "2026-01-03")
+
+
+@pytest.fixture(scope="session")
+def kv_series(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One series of three `lab sweep` labels of KV_LADDER in ./lab.db: the first runs the whole ladder
+    as run `kv` (three dummy:tiny boots, A1kv16m kept), the other two its control alone (two boots
+    each). `lab serve --best` reads the first run; `lab history` the whole series."""
+    cwd = tmp_path_factory.mktemp("kv")
+    (cwd / "kv.yaml").write_text(textwrap.dedent(KV_LADDER))
+    for label in KV_LABELS:
+        extra = ["--name", "kv"] if label == KV_LABELS[0] else ["--control-only"]
+        code = lab_main(["sweep", str(cwd / "kv.yaml"), "--label", label, *extra,
+                         "--db", str(cwd / "lab.db"), "--runs-dir", str(cwd / "runs")])
+        assert code == 0
+    return cwd
+
+
 def lab_process(args: list[str], cwd: Path, with_ping: bool = False) -> subprocess.Popen[bytes]:
     """`lab` as its own process (for kill -9); `with_ping` adds the test-only multi-step instrument."""
     entry = ["-m", "tests.lab.lab_with_ping"] if with_ping else ["-m", "lab"]

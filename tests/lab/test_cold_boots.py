@@ -25,7 +25,7 @@ LADDER = """\
     name: cold
     engine:
       kind: bundled
-      model: dummy:smollm2-135m
+      model: dummy:tiny  # the few-layer shape: a boot's random weights take no time to draw
       # F.linear throughout: no product layouts to measure, whose file would make the first boot cold
       flags: {device: cpu, max-model-len: 256, kv-cache-memory-bytes: 33554432, cpu-products: linear}
     windows:

@@ -1,6 +1,7 @@
 """A `dummy:` model (random weights) through every instrument, as the GPU ladder runs one, here on
-the CPU: valid speed cells in every boot, not-applicable quality cells with their reason, no 5xx,
-every boot warm, and a verdict for the arm."""
+the CPU with the few-layer `tiny` shape (what is tested is the lab's side, not the model's size):
+valid speed cells in every boot, not-applicable quality cells with their reason, no 5xx, every
+boot warm, and a verdict for the arm."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ LADDER = f"""\
     name: dummy
     engine:
       kind: bundled
-      model: dummy:smollm2-135m
+      model: dummy:tiny
       flags: {{device: cpu, max-model-len: 2048, kv-cache-memory-bytes: 134217728}}
     windows:
       - name: W1

@@ -14,35 +14,7 @@ import pytest
 
 from lab.boot import free_port
 from lab.cli import main as lab_main
-from tests.instruments.ladder_run import REPO, run_ladder
-from tests.lab.conftest import stub_ladder
-
-# kv_pool_tokens is set by the arm's memory budget, so the verdict is certain: twice the pool is
-# kept; nothing else is measured, so three dummy:tiny boots take ~30 s.
-KV_LADDER = """\
-    name: kv
-    engine:
-      kind: bundled
-      model: dummy:tiny
-      flags: {device: cpu, max-model-len: 512, kv-cache-memory-bytes: 8388608}
-    windows:
-      - name: W1
-        control: C0ctl
-        arms:
-          - {name: A1kv16m, flags: {kv-cache-memory-bytes: 16777216}}
-    instruments:
-      memory:
-    keep:
-      metrics: [memory.kv_pool_tokens]
-    """
-
-
-@pytest.fixture(scope="module")
-def kv_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cwd = tmp_path_factory.mktemp("serve")
-    run_ladder(cwd, KV_LADDER, "kv", timeout=300).close()
-    return cwd
-
+from tests.lab.conftest import REPO, stub_ladder
 
 def lab_out(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "lab", *args], cwd=cwd, capture_output=True, text=True,
@@ -50,9 +22,9 @@ def lab_out(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_best_serves_the_kept_arm_and_answers_a_completion(kv_run: Path) -> None:
+def test_best_serves_the_kept_arm_and_answers_a_completion(kv_series: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lab", "serve", "--best", "kv", "--port", str(port)], cwd=kv_run,
+    proc = subprocess.Popen([sys.executable, "-m", "lab", "serve", "--best", "kv", "--port", str(port)], cwd=kv_series,
                             env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250",
                                  "LAB_ENGINE_MAX_NUM_SEQS": "3"},  # a stray export must not change the arm
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -79,13 +51,13 @@ def test_best_serves_the_kept_arm_and_answers_a_completion(kv_run: Path) -> None
 
 
 @pytest.mark.slow
-def test_an_arm_not_kept_is_served_only_when_picked(kv_run: Path) -> None:
-    picked = lab_out(kv_run, "serve", "--best", "kv", "--arm", "C0ctl", "--host", "0.0.0.0", "--port", "9100",
+def test_an_arm_not_kept_is_served_only_when_picked(kv_series: Path) -> None:
+    picked = lab_out(kv_series, "serve", "--best", "kv", "--arm", "C0ctl", "--host", "0.0.0.0", "--port", "9100",
                      "--print")
     assert picked.returncode == 0, picked.stderr
     assert picked.stdout.strip().endswith("--host 0.0.0.0 --port 9100 --model dummy:tiny --device cpu "
                                           "--max-model-len 512 --kv-cache-memory-bytes 8388608")
-    unknown = lab_out(kv_run, "serve", "--best", "kv", "--arm", "A9")
+    unknown = lab_out(kv_series, "serve", "--best", "kv", "--arm", "A9")
     assert unknown.returncode == 1
     assert unknown.stderr.strip() == "lab: run kv has no arm 'A9'; its arms: C0ctl, A1kv16m"
 

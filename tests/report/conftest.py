@@ -107,9 +107,9 @@ def store(tmp_path: Path):
     s.close()
 
 
-def lab_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`lab ARGS` as its own process, as a person runs it."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250"}
+def lab_cli(args: list[str], cwd: Path, columns: int = 250) -> subprocess.CompletedProcess[str]:
+    """`lab ARGS` as its own process, as a person runs it, output piped at `columns` wide."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(columns)}
     return subprocess.run([sys.executable, "-m", "lab", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=900)
 

@@ -6,10 +6,7 @@ calibration a run's verdicts used."""
 from __future__ import annotations
 
 import io
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,26 +19,13 @@ from lab.report.build import write_report
 from lab.report.data import load
 from lab.store import writer
 from lab.verdicts import judge_run
-from tests.report.conftest import REPO, Boot, build_run
+from tests.report.conftest import LADDER, Boot, build_run, lab_cli
 
 PEAK = "memory.peak_memory_gib"  # lower is better
 POOL = "memory.kv_pool_tokens"  # higher is better
 
-LOWER_IS_BETTER = """\
-name: built
-engine: {kind: bundled, model: smollm2-135m, flags: {device: cpu}}
-windows:
-  - name: W1
-    control: C0ctl
-    arms:
-      - {name: A1, flags: {max-num-seqs: 4}}
-      - {name: A2, flags: {max-num-seqs: 8}}
-instruments:
-  memory:
-keep:
-  threshold_pct: 2
-  metrics: [memory.peak_memory_gib]
-"""
+# The built ladder judged on a lower-is-better metric, without the gate.
+LOWER_IS_BETTER = LADDER[:LADDER.index("keep:")] + "keep:\n  threshold_pct: 2\n  metrics: [memory.peak_memory_gib]\n"
 
 
 def peak(value: float) -> Boot:
@@ -74,9 +58,7 @@ def test_piped_compare_prints_every_digit_of_large_figures(store, tmp_path: Path
     build_run(store, {"C0ctl/open": Boot(values={POOL: 1073741824.5, "memory.host_mem_available_floor_gib": 5.0}),
                       "A1": Boot(values={POOL: 1098765432.25, "memory.host_mem_available_floor_gib": 5.0}),
                       "C0ctl/close": Boot(values={POOL: 1073741999.5, "memory.host_mem_available_floor_gib": 5.0})})
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
-    done = subprocess.run([sys.executable, "-m", "lab", "compare", "C0ctl", "A1", "--db", str(tmp_path / "lab.db")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = lab_cli(["compare", "C0ctl", "A1", "--db", str(tmp_path / "lab.db")], tmp_path, columns=80)
     assert done.returncode == 0, done.stderr
     assert "1073741912.0" in done.stdout and "1098765432.2" in done.stdout  # the controls' mean and the arm
     assert "…" not in done.stdout
