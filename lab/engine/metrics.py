@@ -5,7 +5,10 @@ dashboards, alerts and autoscalers written for vLLM read this engine unchanged:
 - `vllm:prompt_tokens_total` counts each request's whole prompt once, when its first token is
   out, prefix-cache hits included (the engine's own `/v1/stats` counts computed tokens instead);
 - `vllm:request_success_total{finished_reason}` counts every request that ended, by why:
-  `stop`, `length` or `abort` (its client went away).
+  `stop`, `length` or `abort` (its client went away);
+- with prompt lookup on, `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
+  `..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total{position}` count
+  as vLLM's do (a draft is one sequence's proposal in one step); with it off they are absent.
 
 Gauges and engine counters are read at scrape time; the server observes the per-request ones
 once per request (arrival, first token, finish), so no work is added per streamed token beyond
@@ -76,6 +79,17 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                       e.scheduler.num_preemptions)
         yield counter("generation_tokens", "Number of generation tokens processed.", e.counters.generation_tokens)
+        if e.drafter is not None:
+            spec = e.drafter.counters
+            yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.drafts)
+            yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.accepted_tokens)
+            per_pos = CounterMetricFamily(f"{PREFIX}:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=LABELS + ["position"])
+            for position in range(e.config.num_speculative_tokens):
+                accepted = spec.accepted_per_position
+                per_pos.add_metric(self.values + [str(position)], accepted[position] if position < len(accepted) else 0)
+            yield per_pos
 
 
 class EngineMetrics:
