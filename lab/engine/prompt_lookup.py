@@ -16,8 +16,10 @@ from lab.engine.sequence import Sequence
 
 
 def find_draft(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to `k` tokens that followed the latest earlier occurrence of the sequence's last n tokens,
-    trying n from `n_max` down to `n_min`; empty when no n-gram recurs."""
+    """Up to `k` tokens that followed an earlier occurrence of the sequence's last n tokens,
+    trying n from `n_max` down to `n_min`; empty when no n-gram recurs. The occurrence is the
+    latest one followed by k tokens (the freshest context), else the earliest (the longest
+    continuation: in text that repeats with a short period the latest is followed by few)."""
     arr = np.asarray(tokens, dtype=np.int64)
     length = len(arr)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
@@ -25,7 +27,8 @@ def find_draft(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -
         windows = sliding_window_view(arr[:length - 1], n)
         hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n  # the most recent occurrence: its continuation is freshest
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if len(full) else hits[0]) + n
             return arr[start:start + k].tolist()
     return []
 
