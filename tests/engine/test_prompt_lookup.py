@@ -23,10 +23,8 @@ REPEATS = ("Copy this list exactly, twice: apples, pears, plums, cherries, figs,
            "apples, pears, plums, cherries, figs, dates, limes. apples, pears,")
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
         "    return a * b\n\n\ndef div(a, b):\n")
-PROMPTS = [REPEATS, CODE, "1, 1, 2, 3, 5, 8, 13,",
-           SHARED_PREFIX + "Question: how many crates of olive oil are stored? Answer: The warehouse",
-           SHARED_PREFIX + "Summarise the notes in one sentence."]
-GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+PROMPTS = [REPEATS, CODE, "1, 1, 2, 3, 5, 8, 13,", SHARED_PREFIX + "Summarise the notes in one sentence."]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def test_find_draft_takes_the_longest_ngram_and_a_full_continuation() -> None:
@@ -74,8 +72,8 @@ def test_greedy_output_is_plain_decodings(plain: LLM, spec: LLM) -> None:
     # Fewer steps than tokens: accepted drafts really were emitted several per step.
     assert spec.engine.counters.steps < sum(len(t) for t in got)
     # Again, now from the prefix cache.
-    again = spec.generate(PROMPTS[-2:], GREEDY)
-    assert [c.token_ids for c in again] == want[-2:]
+    again = spec.generate(PROMPTS[-1:], GREEDY)
+    assert [c.token_ids for c in again] == want[-1:]
     assert all(c.num_cached_tokens > 0 for c in again)
     assert spec.engine.blocks.num_used_blocks == 0
 
