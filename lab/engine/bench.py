@@ -131,6 +131,22 @@ def engine_prefill_s(llm: LLM, ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
+def spec_totals(llm: LLM) -> tuple[int, int, int]:
+    """Prompt lookup's (drafts, drafted, accepted) so far; zeros when it is off."""
+    drafter = llm.engine.drafter
+    if drafter is None:
+        return 0, 0, 0
+    return drafter.counters.drafts, drafter.counters.draft_tokens, drafter.counters.accepted_tokens
+
+
+def spec_note(llm: LLM, before: tuple[int, int, int]) -> str:
+    """What prompt lookup did since `before`, for a figure's note; empty when it is off."""
+    if llm.engine.drafter is None:
+        return ""
+    drafts, drafted, accepted = (now - was for now, was in zip(spec_totals(llm), before))
+    return f", prompt lookup: {accepted} of {drafted} drafted tokens accepted in {drafts} drafts"
+
+
 def engine_decode(llm: LLM, prompts: list[list[int]], new_tokens: int, ceilings: Ceilings | None) -> DecodeRun:
     """Run the prompts together; time the steps after every sequence has its first token."""
     engine = llm.engine
@@ -426,15 +442,19 @@ def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
     decode_bc_prompts = [prompts(opts.prompt_tokens) for _ in range(opts.concurrency)]
     warmup_prompt = prompts(opts.prompt_tokens)
     engine_decode(llm, [warmup_prompt], 8, None)  # warm-up (graphs, allocator)
+    before = spec_totals(llm)
     b1 = [engine_decode(llm, decode_b1_prompts, opts.decode_tokens, ceilings) for _ in range(opts.repeats)]
+    b1_spec, before = spec_note(llm, before), spec_totals(llm)
     bc = [engine_decode(llm, decode_bc_prompts, opts.decode_tokens, ceilings) for _ in range(opts.repeats)]
     figures.append(Figure("decode batch 1", "tok/s", ours=_median([r.tok_s for r in b1]),
                           floor_fraction=_median_or_none([r.floor_fraction for r in b1 if r.floor_fraction]),
-                          note=f"step {1e3 * _median([r.step_s for r in b1]):.2f} ms", runs=[r.tok_s for r in b1]))
+                          note=f"step {1e3 * _median([r.step_s for r in b1]):.2f} ms{b1_spec}",
+                          runs=[r.tok_s for r in b1]))
     figures.append(Figure(f"decode batch {opts.concurrency} (aggregate)", "tok/s",
                           ours=_median([r.tok_s for r in bc]),
                           floor_fraction=_median_or_none([r.floor_fraction for r in bc if r.floor_fraction]),
-                          note=f"step {1e3 * _median([r.step_s for r in bc]):.2f} ms", runs=[r.tok_s for r in bc]))
+                          note=f"step {1e3 * _median([r.step_s for r in bc]):.2f} ms{spec_note(llm, before)}",
+                          runs=[r.tok_s for r in bc]))
     for n in opts.throughput:
         run = engine_decode(llm, [prompts(opts.throughput_tokens) for _ in range(n)], opts.throughput_tokens,
                             ceilings)

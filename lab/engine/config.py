@@ -65,6 +65,11 @@ class EngineConfig:
     cuda_graph_max_batch_size: int = _knob(256, "largest decode batch captured as a CUDA graph")
     overlap_decode: str = _knob("auto", "queue each decode step on the device before reading the previous "
                                 "step's tokens, hiding host work (auto = on with CUDA)", ("auto", "on", "off"))
+    prompt_lookup: bool = _knob(False, "speculative decoding by prompt lookup: draft the tokens that followed the "
+                                "last n-gram's previous occurrence in the same sequence, verify them in one step")
+    num_speculative_tokens: int = _knob(3, "prompt lookup: most draft tokens verified per sequence and step (k)")
+    prompt_lookup_max: int = _knob(3, "prompt lookup: longest n-gram matched (tried first)")
+    prompt_lookup_min: int = _knob(1, "prompt lookup: shortest n-gram matched")
     max_logprobs: int = _knob(20, "most top_logprobs a request may ask for")
     cpu_products: str = _knob("measured", "CPU products x @ w^T: measured = the layout timed fastest on this host for "
                               "each weight shape and row count (timed at the first load, cached per host), "
@@ -154,7 +159,8 @@ def validate(cfg: EngineConfig) -> None:
         value = getattr(cfg, name)
         if choices and value not in choices:
             raise ConfigError(f"{flag_name(name)}: {value!r} is not one of {', '.join(choices)}")
-    positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_logprobs", "cuda_graph_max_batch_size")
+    positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_logprobs", "cuda_graph_max_batch_size",
+                "num_speculative_tokens", "prompt_lookup_min")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
@@ -175,6 +181,11 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError("--kv-host-tier-bytes / --kv-file-tier-bytes need --enable-prefix-caching true")
     if cfg.kv_file_tier_path and not cfg.kv_file_tier_bytes:
         raise ConfigError("--kv-file-tier-path is set but --kv-file-tier-bytes is 0 (the file tier is off)")
+    if cfg.prompt_lookup_max < cfg.prompt_lookup_min:
+        raise ConfigError(f"--prompt-lookup-max ({cfg.prompt_lookup_max}) must be >= --prompt-lookup-min "
+                          f"({cfg.prompt_lookup_min})")
+    if cfg.num_speculative_tokens > 64:
+        raise ConfigError(f"--num-speculative-tokens must be at most 64, got {cfg.num_speculative_tokens}")
     if cfg.prefix_cache_retention < -1:
         raise ConfigError(f"--prefix-cache-retention must be -1 (all) or >= 0, got {cfg.prefix_cache_retention}")
 

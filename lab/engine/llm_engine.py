@@ -17,8 +17,9 @@ from lab.engine.kv_tiers import build_tiers
 from lab.engine.loader import LoadedModel, load_model
 from lab.engine.model_runner import InflightStep, ModelRunner, resolve_device, resolve_dtype
 from lab.engine.output_processor import OutputProcessor, RequestOutput
+from lab.engine.prompt_lookup import PromptLookup
 from lab.engine.sampling_params import BadRequestError, SamplingParams
-from lab.engine.scheduler import Scheduler, SchedulerOutput
+from lab.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from lab.engine.sequence import Sequence, Status, TokenLogprob
 from lab.engine.warm_caches import BuiltCaches
 
@@ -76,12 +77,19 @@ class LLMEngine:
             self.caches.watch_file_tier(self.tiers.file)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                    config.prefix_cache_retention, self.tiers)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.drafter = PromptLookup(config, self.max_model_len) if config.prompt_lookup else None
+        self.scheduler = Scheduler(config, self.blocks, self.drafter)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.counters = Counters()
         self._ids = itertools.count()
         self.overlap = overlap_enabled(config, self.device)
+        if self.drafter is not None and self.overlap:
+            # A draft is read off the sequence's known tokens, which an overlapped step leaves pending.
+            log.info("prompt lookup is on: overlapped decode is off (drafts need every token on the host)")
+            self.overlap = False
+        if self.drafter is not None and self.runner.graphs is not None:
+            log.info("prompt lookup is on: steps that verify drafts run eagerly, the others replay CUDA graphs")
         self._inflight: InflightStep | None = None
         self.load_seconds = time.monotonic() - started
         log.info("engine ready in %.1f s: %s on %s (%s), KV pool %d blocks x %d = %d tokens (%.1f MiB)",
@@ -204,6 +212,9 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for s in plan.scheduled:
             seq = s.seq
+            if s.draft:
+                outputs.append(self._accept(s, result.verified[seq.seq_id]))
+                continue
             samples = s.samples  # read before num_computed_tokens moves on
             if seq.wants_prompt_logprobs and seq.seq_id in result.prompt_logprobs:
                 # After a preemption the prompt is recomputed; keep the first copy of each position.
@@ -226,6 +237,30 @@ class LLMEngine:
             seq.token_ids.append(token)
             outputs.append(self._on_sampled(seq, lp))
         return outputs
+
+    def _accept(self, s: ScheduledSeq, verified: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
+        """Append a verify step's tokens one at a time, each checked against every stop rule as a
+        plain decode step would, so nothing past a stop is ever emitted."""
+        seq = s.seq
+        kept = len(verified) - 1
+        self.drafter.counters.record(len(s.draft), kept)  # type: ignore[union-attr]
+        start = seq.num_computed_tokens
+        appended = 0
+        for token, lp in verified:
+            seq.token_ids.append(token)
+            appended += 1
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            self.counters.generation_tokens += 1
+            if self.outputs.advance(seq):
+                break
+        # K/V is valid for the last known token and the kept drafts (not the token sampled after them).
+        seq.num_computed_tokens = start + 1 + min(appended, kept)
+        self.blocks.register_full_blocks(seq)
+        out = self.outputs.emit(seq)
+        return self._finish(seq, out) if out.finished else out
 
     def _on_sampled(self, seq: Sequence, lp: TokenLogprob | None) -> RequestOutput:
         """Account for the token just made known on `seq` (its logprob when asked for)."""

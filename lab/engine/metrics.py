@@ -10,6 +10,9 @@ dashboards, alerts and autoscalers written for vLLM read this engine unchanged:
   `vllm:external_prefix_cache_{queries,hits}_total` the tokens asked of and found in the tiers
   under it (host memory, file), as vLLM counts its local cache and a KV connector's apart; the
   split by tier is in `/v1/stats`.
+- with prompt lookup on, `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
+  `..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total{position}` count
+  as vLLM's do (a draft is one sequence's proposal in one step); with it off they are absent.
 
 Gauges and engine counters are read at scrape time; the server observes the per-request ones
 once per request (arrival, first token, finish), so no work is added per streamed token beyond
@@ -85,6 +88,17 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                       e.scheduler.num_preemptions)
         yield counter("generation_tokens", "Number of generation tokens processed.", e.counters.generation_tokens)
+        if e.drafter is not None:
+            spec = e.drafter.counters
+            yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.drafts)
+            yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.accepted_tokens)
+            per_pos = CounterMetricFamily(f"{PREFIX}:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=LABELS + ["position"])
+            for position in range(e.config.num_speculative_tokens):
+                accepted = spec.accepted_per_position
+                per_pos.add_metric(self.values + [str(position)], accepted[position] if position < len(accepted) else 0)
+            yield per_pos
 
 
 class EngineMetrics:

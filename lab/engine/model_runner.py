@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lab.engine import sampler
+from lab.engine import rejection_sampler, sampler
 from lab.engine.attention import AttentionBackend, TorchAttention
 from lab.engine.attention_metadata import AttentionMetadata, build_metadata
 from lab.engine.config import ConfigError, EngineConfig
@@ -99,6 +99,8 @@ class InflightStep:
 class StepResult:
     sampled: dict[int, tuple[int, TokenLogprob | None]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
+    # Sequences that carried a draft: the kept draft tokens then one more, with their logprobs.
+    verified: dict[int, list[tuple[int, TokenLogprob | None]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -189,12 +191,14 @@ class ModelRunner:
             seq, n = s.seq, s.num_tokens
             start = seq.num_computed_tokens
             base = len(input_ids)
-            input_ids.extend(seq.token_ids[start:start + n])
+            known = n - len(s.draft)
+            input_ids.extend(seq.token_ids[start:start + known])
+            input_ids.extend(s.draft)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(seq.block_table)
-            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens:
+            if (seq.wants_prompt_logprobs and start < seq.num_prompt_tokens) or s.draft:
                 logit_rows.extend(range(base, base + n))
             elif s.samples:
                 logit_rows.append(base + n - 1)
@@ -250,7 +254,7 @@ class ModelRunner:
         result = StepResult()
         if logits is None:
             return result
-        if not any(s.seq.wants_prompt_logprobs for s in scheduled):
+        if not any(s.seq.wants_prompt_logprobs or s.draft for s in scheduled):
             # The usual step: one logits row per sequence that samples, already in order.
             return self._sample(scheduled if len(logits) == len(scheduled) else
                                 [s for s in scheduled if s.samples], logits, result)
@@ -265,6 +269,9 @@ class ModelRunner:
                 if s.samples:
                     sample_rows.append(row + n - 1)
                     sample_seqs.append(s)
+                row += n
+            elif s.draft:
+                self._verify(s, logits[row:row + n], result)
                 row += n
             elif s.samples:
                 sample_rows.append(row)
@@ -286,6 +293,16 @@ class ModelRunner:
         for s, token, lp in zip(sample_seqs, tokens.tolist(), lps):
             result.sampled[s.seq.seq_id] = (token, lp)
         return result
+
+    def _verify(self, s: ScheduledSeq, rows: torch.Tensor, result: StepResult) -> None:
+        seq = s.seq
+        tokens = rejection_sampler.verify(rows, s.draft, seq.params, seq.generator, seq.num_output_tokens,
+                                          self.eos_token_ids)
+        lps: list[TokenLogprob | None] = [None] * len(tokens)
+        if seq.params.logprobs is not None:
+            chosen = torch.tensor(tokens, dtype=torch.long, device=rows.device)
+            lps = list(sampler.logprobs_of(rows[:len(tokens)], chosen, [seq.params.logprobs] * len(tokens)))
+        result.verified[seq.seq_id] = list(zip(tokens, lps))
 
     def _prompt_logprobs(self, seq, start: int, n: int, logits: torch.Tensor) -> list[TokenLogprob | None]:
         """Logprob of each prompt token given the tokens before it; the first prompt token has none."""

@@ -100,6 +100,12 @@ class OutputProcessor:
 
     def on_token(self, seq: Sequence) -> RequestOutput:
         """Account for the newest known token of `seq`; sets `seq.finish_reason` when it stops."""
+        self.advance(seq)
+        return self.emit(seq)
+
+    def advance(self, seq: Sequence) -> bool:
+        """Take in the newest known token of `seq` without emitting it (a verify step appends
+        several before one output); True when it ends the request."""
         state = self.states.setdefault(seq.seq_id, TextState())
         token = seq.last_known_token
         if seq.params.detokenize:
@@ -114,7 +120,11 @@ class OutputProcessor:
                     tail = self.tokenizer.decode(ids[state.prefix_offset:])
                     prev = self.tokenizer.decode(ids[state.prefix_offset:state.read_offset])
                     state.text += tail[len(prev):]
-        return self._emit(seq, state)
+        return reason is not None
+
+    def emit(self, seq: Sequence) -> RequestOutput:
+        """What `seq` produced since its last output."""
+        return self._emit(seq, self.states.setdefault(seq.seq_id, TextState()))
 
     def finish_without_token(self, seq: Sequence, reason: str) -> RequestOutput:
         """A request that ends with no new token (aborted, or echo-only with max_tokens 0)."""

@@ -97,16 +97,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = row.softmax(-1)
-        # Per-row generator: a seeded request gets the same tokens whatever its batch.
-        gen = generators[i]
-        if gen is not None and gen.device != probs.device:
-            draw = torch.multinomial(probs.cpu(), 1, generator=gen).to(probs.device)
-        else:
-            draw = torch.multinomial(probs, 1, generator=gen)
-        tokens[i] = draw[0]
+        tokens[i] = draw(target_probs(logits[i], p), generators[i])
     return tokens
+
+
+def target_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled (non-greedy) request draws from: temperature, then the
+    top-k, min-p and top-p filters, over one row of (processed) logits."""
+    return _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One token (a 0-d tensor) from a 1-D distribution that need not sum to one."""
+    # Per-row generator: a seeded request gets the same tokens whatever its batch.
+    if gen is not None and gen.device != probs.device:
+        return torch.multinomial(probs.cpu(), 1, generator=gen).to(probs.device)[0]
+    return torch.multinomial(probs, 1, generator=gen)[0]
 
 
 def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int]) -> list[TokenLogprob]:

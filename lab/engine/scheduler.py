@@ -5,7 +5,12 @@ sequence and chunks of prompts. A prompt chunk is capped per request
 (`long_prefill_token_threshold`), the number of prompts advancing in one step is capped
 (`max_parallel_prefills`), and at most `max_num_seqs` sequences hold KV blocks. When blocks run
 out, the most recently admitted sequence is preempted: its blocks are freed and it is recomputed
-later (prompt plus the tokens it had generated)."""
+later (prompt plus the tokens it had generated).
+
+With prompt lookup on, a decoding sequence may carry a draft: its step computes the last known
+token plus the draft tokens (all counted against the budget, all given KV slots), and the model
+runner verifies them. A draft is cut to the budget and dropped before anything is preempted for
+its blocks."""
 
 from __future__ import annotations
 
@@ -15,18 +20,20 @@ from dataclasses import dataclass, field
 
 from lab.engine.block_manager import BlockManager
 from lab.engine.config import EngineConfig
+from lab.engine.prompt_lookup import PromptLookup
 from lab.engine.sequence import Sequence, Status
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # new tokens computed this step
+    num_tokens: int  # new tokens computed this step, draft tokens included
+    draft: list[int] = field(default_factory=list)  # proposed tokens verified after the last known one
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -44,9 +51,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, drafter: PromptLookup | None = None) -> None:
         self.config = config
         self.blocks = block_manager
+        self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -84,14 +92,19 @@ class Scheduler:
                 if want_prefill and not self._prefill_slot_free(prefills):
                     return
                 n = self._chunk(seq, budget)
-                while not self.blocks.allocate(seq, n):
+                draft = self._draft(seq, budget) if not want_prefill else []
+                if draft and not self.blocks.allocate(seq, n + len(draft)):
+                    draft = []
+                elif draft:
+                    n += len(draft)
+                while not draft and not self.blocks.allocate(seq, n):
                     victim = self.running[-1]
                     self._preempt(victim, out)
                     if victim is seq:
                         break
                 if seq.status is not Status.RUNNING:
                     continue  # seq preempted itself; the list shifted, keep the same index
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n, draft))
                 scheduled_ids.add(seq.seq_id)
                 budget -= n
                 prefills += want_prefill
@@ -133,6 +146,11 @@ class Scheduler:
         # The attention metadata wants single-token queries first.
         out.scheduled.sort(key=lambda s: s.num_tokens != 1)
         return out
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        if self.drafter is None or seq.num_pending:
+            return []
+        return self.drafter.propose(seq, budget - 1)
 
     def _prefill_slot_free(self, prefills: int) -> bool:
         cap = self.config.max_parallel_prefills

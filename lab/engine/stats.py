@@ -33,6 +33,18 @@ def memory_report(device: torch.device) -> dict[str, int]:
             "memory_kind": "host"}
 
 
+def spec_report(engine: LLMEngine) -> dict[str, Any] | None:
+    """Prompt lookup's counters, acceptance (accepted / drafted tokens) and mean tokens emitted
+    per verify step (1 + accepted / drafts); None when it is off."""
+    if engine.drafter is None:
+        return None
+    c = engine.drafter.counters
+    return {"drafts": c.drafts, "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
+            "accepted_per_position": list(c.accepted_per_position),
+            "acceptance": c.accepted_tokens / c.draft_tokens if c.draft_tokens else None,
+            "tokens_per_step": 1 + c.accepted_tokens / c.drafts if c.drafts else None}
+
+
 def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -> dict[str, Any]:
     runner = engine.runner
     blocks = engine.blocks
@@ -74,6 +86,7 @@ def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -
         "requests_aborted": c.requests_aborted,
         "steps": c.steps,
         "overlapped_steps": c.overlapped_steps,
+        "spec_decode": spec_report(engine),
         "load_seconds": engine.load_seconds,
         "uptime_s": time.time() - started_at,
         **memory_report(engine.device),
