@@ -174,7 +174,8 @@ def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: m.Slot) 
     endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
     try:
-        caps = asyncio.run(capabilities.probe(endpoint, largest, salt))
+        ask_eos = any(name == "decode" for name, _ in rc.ladder.instruments.sections())
+        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, ask_eos))
     except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
         caps = {"answered": False, "largest_prompt": {"tokens": largest}, "error": f"{type(exc).__name__}: {exc}"}
     log.info("capabilities: %s", capabilities.summary(caps))

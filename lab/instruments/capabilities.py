@@ -8,15 +8,17 @@ own:
   fails its boot here instead of storing a run of invalid cells.
 - `streamed_usage`: a stream asked for `stream_options.include_usage` carried `usage`.
 - `ignore_eos`: `honoured` (a greedy chat that stops early by itself ran to `max_tokens` with it),
-  `ignored` (it stopped early anyway), `refused` (HTTP 400), or `unknown` (the chat did not stop
-  early without it, so there was nothing to tell).
+  `ignored` (it stopped early anyway), `refused` (HTTP 400), `unknown` (the chat did not stop
+  early without it, so there was nothing to tell), or `not asked` (no instrument of the ladder
+  sends it: two generations a boot saved).
 - `logprobs`: a completion asked for `logprobs` returned them.
 - `tokenizer`: the route that tokenizes a prompt (`/tokenize`, llama-cpp-python's
   `/extras/tokenize`), or None.
 - `token_count`: whether the instruments may count tokens with that tokenizer where a stream has
   no `usage`: the counts it gives for the large prompt and for the generated texts that ran to
   `max_tokens` are checked against the engine's own non-streamed `usage` of the same requests (a
-  reply that ended on EOS is left out: engines differ in whether `usage` counts the EOS token).
+  reply that ended on EOS is left out: engines differ in whether `usage` counts the EOS token; so
+  is one forced past EOS: the special tokens it generated there have no text to count).
 - `metrics`, `stats`, `prefix_cache_reset`: `/metrics`, `/v1/stats` and `/reset_prefix_cache`
   answered 200.
 
@@ -40,9 +42,9 @@ log = logging.getLogger("lab.capabilities")
 
 # A chat an instruct model ends within a few tokens; `ignore_eos` must carry it to EOS_MAX_TOKENS.
 EOS_QUESTION = "Reply with the single word: yes."
-EOS_MAX_TOKENS = 12
+EOS_MAX_TOKENS = 32
 # The large prompt's reply: enough tokens to check a tokenizer's count of generated text.
-LARGE_MAX_TOKENS = 4
+LARGE_MAX_TOKENS = 8
 # Instruments whose figures are token counts over time: they need `usage` or a checked tokenizer.
 COUNTING = ("prefill", "decode", "mixed")
 
@@ -58,7 +60,7 @@ class Endpoint:
     capabilities: dict[str, Any] | None = None
 
 
-async def probe(endpoint: Endpoint, largest_prompt: int, salt: str) -> dict[str, Any]:
+async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: bool = True) -> dict[str, Any]:
     """The capabilities of the engine at `endpoint` (module docstring), as a JSON-able dict.
     Never raises for what an engine lacks; `answered` False with `error` when the large prompt
     failed."""
@@ -81,12 +83,16 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str) -> dict[str,
         stream = await client.request({"model": endpoint.model, "prompt": f"{salt_line(salt)} Hello", "max_tokens": 2,
                                        "temperature": 0})
         caps["streamed_usage"] = stream.ok and stream.usage_present
-        messages = [{"role": "user", "content": EOS_QUESTION}]
-        plain = await client.request({"model": endpoint.model, "messages": messages, "max_tokens": EOS_MAX_TOKENS,
-                                      "temperature": 0, "stream": False})
-        caps["ignore_eos"], forced = await _ignore_eos(client, endpoint.model, messages, plain)
-        caps["token_count"] = await _check_counts(extras, caps["tokenizer"], prompt_text, answer,
-                                                  [answer, plain, *([forced] if forced else [])])
+        replies = [answer]
+        caps["ignore_eos"] = "not asked"
+        if ask_eos:
+            messages = [{"role": "user", "content": EOS_QUESTION}]
+            plain = await client.request({"model": endpoint.model, "messages": messages,
+                                          "max_tokens": EOS_MAX_TOKENS, "temperature": 0, "stream": False})
+            caps["ignore_eos"] = await _ignore_eos(client, endpoint.model, messages, plain)
+            # Not the forced reply: the special tokens generated past EOS leave no text to count.
+            replies.append(plain)
+        caps["token_count"] = await _check_counts(extras, caps["tokenizer"], prompt_text, answer, replies)
     return caps
 
 
@@ -105,18 +111,17 @@ async def _large_prompt(extras: EngineExtras, tokens: int, salt: str) -> tuple[i
     return fitted.tokens, fitted.exact, fitted.form
 
 
-async def _ignore_eos(client: StreamingClient, model: str, messages: list[dict[str, str]],
-                      plain: Receipt) -> tuple[str, Receipt | None]:
-    """What the engine does with `ignore_eos`, and the answer to the request that carried it."""
+async def _ignore_eos(client: StreamingClient, model: str, messages: list[dict[str, str]], plain: Receipt) -> str:
+    """What the engine does with `ignore_eos`, given its answer to the same chat without it."""
     if not plain.ok or plain.finish_reason != "stop" or plain.completion_tokens >= EOS_MAX_TOKENS:
-        return "unknown", None
+        return "unknown"
     forced = await client.request({"model": model, "messages": messages, "max_tokens": EOS_MAX_TOKENS,
                                    "temperature": 0, "ignore_eos": True, "stream": False})
     if forced.status == 400:
-        return "refused", None
+        return "refused"
     if not forced.ok or not forced.usage_present:
-        return "unknown", None
-    return ("honoured" if forced.completion_tokens == EOS_MAX_TOKENS else "ignored"), forced
+        return "unknown"
+    return "honoured" if forced.completion_tokens == EOS_MAX_TOKENS else "ignored"
 
 
 async def _check_counts(extras: EngineExtras, tokenizer: str | None, prompt: str, large: Receipt,

@@ -4,7 +4,8 @@ Only where the capability probe checked that tokenizer against the engine's non-
 (lab/instruments/capabilities.py): then an answered receipt without usage gets the tokenizer's
 count of its prompt (a completion prompt, or chat messages where the route applies the chat
 template) and of its generated text, and `usage_counted_by` names the route. Cells built from such
-receipts say so in their note.
+receipts say so in their note. Generated special tokens (an EOS that `ignore_eos` ran past) have
+no text, so they go uncounted: the probe checks only replies free of them.
 """
 
 from __future__ import annotations

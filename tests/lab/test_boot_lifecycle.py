@@ -140,9 +140,12 @@ def test_lab_ls_lists_runs_then_one_runs_arms_and_boots(tmp_path, lab, capsys) -
 
 def test_lab_ls_counts_each_boots_invalid_cells_and_says_why(tmp_path, lab, capsys) -> None:
     body = ("windows:\n  - name: W1\n    control: C0ctl\n    arms:\n      - {name: A1, flags: {seqs: 2}}\n"
-            "instruments:\n  decode: {levels: [1], max_tokens: 4}\n")
-    assert lab("run", str(stub_ladder(tmp_path, body)), "--name", "probe") == 0
-    capsys.readouterr()
+            "instruments:\n  decode: {levels: [1], max_tokens: 4}\n"
+            "keep:\n  metrics: [{metric: decode.agg_tok_s, where: {level: 1}}]\n")
+    # Every boot finished, yet none measured its key metric: the run fails, and says why.
+    assert lab("run", str(stub_ladder(tmp_path, body)), "--name", "probe") == 1
+    assert "run probe judged nothing: every key-metric cell (decode.agg_tok_s[level=1]) is invalid; commonest " \
+           "reason: refused at the capability probe: the engine streams no usage" in capsys.readouterr().err
     assert lab("ls", "probe") == 0
     out = capsys.readouterr().out
     # The stub streams no usage and has no tokenizer: the capability probe finds that at each
