@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lab import boot as engine_boot
-from lab.fingerprint import engine_version
 from lab.arms import launch as arm_launch
 from lab.arms.ladder import BundledEngine, Ladder
 from lab.arms.render import Plan
+from lab.fingerprint import engine_version
 from lab.hygiene import wait_for_memory
 from lab.instruments import capabilities
 from lab.instruments.base import BootContext, Cell, Instrument, StepResult
@@ -32,7 +32,7 @@ from lab.store.db import Store
 log = logging.getLogger("lab.run")
 # How long an engine gets to show its exit after a step whose requests failed (see alive_after).
 DEATH_GRACE_S = 2.0
-# The capability probe's large prompt when no instrument declares a longer one.
+# The capability probe's large request when no instrument declares a longer one.
 MIN_PROBE_PROMPT = 64
 
 

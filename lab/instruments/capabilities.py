@@ -3,8 +3,8 @@
 Run right after a boot answered its first completion, it finds out, each with a request of its
 own:
 
-- `answered`: a real prompt of the ladder's largest size (its instruments' longest prompt) was
-  answered. Readiness means this, not a 1-token prompt: an engine that crashes on long prompts
+- `answered`: a real request of the ladder's largest size (its instruments' longest request,
+  prompt and output) was answered. Readiness means this, not a 1-token prompt: an engine that crashes on long prompts
   fails its boot here instead of storing a run of invalid cells.
 - `streamed_usage`: a stream asked for `stream_options.include_usage` carried `usage`.
 - `ignore_eos`: `honoured` (a greedy chat that stops early by itself ran to `max_tokens` with it),
@@ -62,8 +62,9 @@ class Endpoint:
 
 async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: bool = True) -> dict[str, Any]:
     """The capabilities of the engine at `endpoint` (module docstring), as a JSON-able dict.
-    Never raises for what an engine lacks; `answered` False with `error` when the large prompt
-    failed."""
+    `largest_prompt` is the most tokens (prompt and output) one request of the ladder holds, at
+    least LARGE_MAX_TOKENS + 32. Never raises for what an engine lacks; `answered` False with
+    `error` when the large request failed."""
     caps: dict[str, Any] = {}
     async with EngineExtras(endpoint) as extras, StreamingClient(endpoint.base_url, endpoint.api_key,
                                                                   max_connections=1) as client:
@@ -71,7 +72,8 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
         caps["metrics"] = await _answers(extras.http, "GET", f"{endpoint.base_url}/metrics")
         caps["stats"] = await _answers(extras.http, "GET", f"{endpoint.base_url}/v1/stats")
         caps["prefix_cache_reset"] = await extras.reset_prefix_cache()
-        large, exact, prompt_text = await _large_prompt(extras, largest_prompt, salt)
+        # Its reply's tokens count too: the request as a whole is the ladder's largest.
+        large, exact, prompt_text = await _large_prompt(extras, largest_prompt - LARGE_MAX_TOKENS, salt)
         answer = await client.request({"model": endpoint.model, "prompt": prompt_text, "max_tokens": LARGE_MAX_TOKENS,
                                        "temperature": 0, "logprobs": 1, "stream": False})
         caps["largest_prompt"] = {"tokens": large, "exact": exact}

@@ -82,7 +82,7 @@ def test_llamacpp_server_measured_beside_the_bundled_engine(tmp_path: Path, llam
         bundled = _boots(store, "bundled")
         for boot in llama:
             caps = boot.capabilities
-            assert caps["answered"] and caps["largest_prompt"] == {"tokens": 1025, "exact": True}, caps
+            assert caps["answered"] and caps["largest_prompt"] == {"tokens": 1017, "exact": True}, caps
             assert (caps["streamed_usage"], caps["tokenizer"]) == (False, "/extras/tokenize"), caps
             assert caps["token_count"]["ok"], caps
             assert caps["ignore_eos"] in ("ignored", "unknown"), caps

@@ -153,8 +153,9 @@ def test_lab_ls_counts_each_boots_invalid_cells_and_says_why(tmp_path, lab, caps
     # says so per boot, with the probe's findings.
     why = "refused at the capability probe: the engine streams no usage and its"  # the table wraps the rest
     assert out.count(f"0 valid, 14 invalid (14: {why}") == 3, out
-    # decode's largest request (max_tokens + its prompts' bound), sized by estimate: no tokenizer
-    assert "boots 00, 01, 02: 260≈-token prompt ✓ · usage ✗ (uncountable) · ignore_eos unknown · logprobs ✗ · " \
+    # decode's largest request (max_tokens + its prompts' bound) less the probe's 8 generated tokens,
+    # sized by estimate: no tokenizer
+    assert "boots 00, 01, 02: 252≈-token prompt ✓ · usage ✗ (uncountable) · ignore_eos unknown · logprobs ✗ · " \
            "tokenizer ✗ · metrics ✗ · stats ✗ · cache reset ✗" in out, out
 
 
