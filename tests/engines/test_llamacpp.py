@@ -22,7 +22,7 @@ from tests.instruments.ladder_run import run_ladder
 INSTRUMENTS = """
 instruments:
   agreement: {prompts: 2, max_tokens: 8}
-  prefill: {lengths: [1024], reps: 2}
+  prefill: {lengths: [1024], reps: 2}       # two 512-token batches: see _against_llamacpp_timing
   decode: {levels: [1], max_tokens: 8}
   mixed: {long_tokens: 512, delay_s: 0.1, short_max_tokens: 4}
   memory:
@@ -34,7 +34,9 @@ keep:
   gates:
     - {metric: memory.host_mem_available_floor_gib, min: 0.5}
     - {metric: agreement.exact_match_rate, min: 1}
-hygiene: {min_mem_available_gib: 1}
+# A warm-up boot: a command engine's first boot of a run counts as cold, and agreement needs a
+# warm opening control for its reference.
+hygiene: {min_mem_available_gib: 1, warmup_boot: true}
 """
 
 LLAMACPP = """
@@ -104,7 +106,8 @@ def check_runs(store: Store, llamacpp_python: Path) -> None:
                                                                                  "honoured"), caps
     figures = {}
     for name, boots in (("llamacpp", llama), ("bundled", bundled)):
-        assert [b.status for b in boots] == ["done"] * 3
+        assert [b.status for b in boots] == ["done"] * 4  # warm-up, control, arm, control
+        boots = boots[1:]
         cells = _cells(store, [b.id for b in boots])
         for boot in boots:
             for instrument, metric in MEASURED:
@@ -118,9 +121,9 @@ def check_runs(store: Store, llamacpp_python: Path) -> None:
         verdicts = _verdicts(store, name)
         assert len(verdicts) == 1 and verdicts[0].decision in ("keep", "reject", "inconclusive"), verdicts
         assert not any("no value" in reason for reason in verdicts[0].reasons), verdicts[0].reasons
-    counted = [c for c in _cells(store, [b.id for b in llama]) if c.instrument == "prefill" and c.valid]
+    counted = [c for c in _cells(store, [b.id for b in llama]) if (c.instrument, c.metric) == ("prefill", "prefill_tok_s")]
     assert counted and all("tokens counted by /extras/tokenize" in c.note for c in counted)
-    ratios = _against_llamacpp_timing(store, llama)
+    ratios = _against_llamacpp_timing(store, llama[1:])
     print(f"\nside by side, first control boot: {json.dumps(figures, indent=1)}")
     print(f"lab prefill tok/s over llama.cpp's own prompt-eval tok/s, per request: {ratios}")
     assert abs(statistics.median(ratios) - 1) <= 0.05, ratios
@@ -149,9 +152,11 @@ PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 
 def _against_llamacpp_timing(store: Store, boots: list[m.Boot]) -> list[float]:
     """Each valid prefill_tok_s over the tok/s llama.cpp's perf counters give the same request in
-    the boot's log. The log's long evaluations are the probe's (first) and then prefill's repeats,
-    in order; prefill's count a few tokens less when the salt's opening words match the previous
-    prompt's cached prefix."""
+    the boot's log. The log's evaluations of over 900 tokens are the probe's 1017 (first) and then
+    prefill's repeats, in order; prefill's count a few tokens less when the salt's opening words
+    match the previous prompt's cached prefix. Prompts of more than one batch (n_batch 512) only:
+    for a prompt of one batch this build's perf counters sometimes log a fraction of a millisecond
+    (the batch's compute is not waited for inside the prompt-eval timer), seen at 512 tokens."""
     ratios = []
     for boot in boots:
         evals = [(float(ms), int(n)) for ms, n in PROMPT_EVAL.findall(Path(boot.log_path).read_text())
