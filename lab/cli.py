@@ -36,6 +36,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from lab.listing import print_plan
     from lab.run import create, execute, resume
     from lab.store.db import open_store
+    from lab.verdicts import key_figure_missing
 
     console = _console()
     if bool(args.ladder) == bool(args.resume):
@@ -51,12 +52,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         run = resume(store, args.resume) if args.resume else create(store, args.ladder, args.name, args.runs_dir)
         console.print(f"run [bold]{run.name}[/] (id {run.id}) → {args.db}; boot logs in {run.logs_dir}")
         outcome = execute(store, run, console)
+        missing = key_figure_missing(store, outcome.run_id) if outcome.boots else None
     finally:
         store.close()
     counts = ", ".join(f"{n} {status}" for status, n in sorted(outcome.boots.items())) or "nothing left to boot"
     console.print(f"run [bold]{outcome.name}[/] finished: {counts}. `lab ls {outcome.name}` shows its boots.")
-    if outcome.boots and not outcome.boots.get("done"):
-        _error(f"no boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
+    if outcome.boots and not outcome.measured_done:
+        _error(f"no measured boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
+        return 1
+    if missing:
+        _error(f"run {outcome.name} judged nothing: {missing}; `lab ls {outcome.name}` shows each boot's cells")
         return 1
     return 0
 
@@ -240,8 +245,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         outcome = execute(store, run, console)
     finally:
         store.close()
-    if outcome.boots and not outcome.boots.get("done"):
-        _error(f"no boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
+    if outcome.boots and not outcome.measured_done:
+        _error(f"no measured boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
         return 1
     console.print(f"`lab history {series}` shows the series", highlight=False)
     return 0

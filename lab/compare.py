@@ -77,6 +77,14 @@ class Side:
         return [f"{s.label}: {'booted cold' if s.cold and s.measured else 'no finished boot'}, left out"
                 for s in self.evidence.arm_slots(self.arm) if not s.measured or s.cold]
 
+    def why_missing(self, selector: verdicts.Selector) -> str:
+        """Why this side has no value for `selector`: its boots' invalid cells' commonest reason,
+        or that no warm boot finished."""
+        if not self.slots:
+            return "; ".join(self.left_out()) or "no boot"
+        reasons = [note for slot in self.slots for note in self.evidence.select(slot, selector).notes]
+        return "; ".join(dict.fromkeys(reasons)) or "no cell of it was stored"
+
     def samples(self, selector: verdicts.Selector) -> tuple[list[float], list[float], str]:
         """(each boot's median, every repeat pooled, unit)."""
         medians, pooled, unit = [], [], ""
@@ -267,7 +275,7 @@ def _row(a: Side, b: Side, selector: verdicts.Selector, kind: str, gate: verdict
     band, source = _band(threshold, noise, mde)
     delta, change, note = None, "", ""
     if a_value is None or b_value is None:
-        missing = [s.ref for s, v in ((a, a_value), (b, b_value)) if v is None]
+        missing = [f"{s.ref} ({s.why_missing(selector)})" for s, v in ((a, a_value), (b, b_value)) if v is None]
         note = f"no value from {' and '.join(missing)}"
     elif a_value == 0:
         note = "A is 0: a relative change is undefined"

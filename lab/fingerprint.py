@@ -1,7 +1,11 @@
-"""Where a number was measured: lab version and commit, Python, torch/CUDA, GPU and driver, host.
+"""Where a number was measured: lab version and commit, Python, torch/CUDA, GPU and driver, host,
+and, per boot of a command engine, the engine's own version.
 
 Read without importing torch (package metadata and torch's own version file), so taking a
-fingerprint costs milliseconds and cannot initialise CUDA in the lab process.
+fingerprint costs milliseconds and cannot initialise CUDA in the lab process. The lab's venv need
+not hold the engine it boots, so `engine_version` asks the engine: its `/version` (vLLM) or
+`/get_server_info` (SGLang) answer, else the command's own interpreter for the version of the
+distribution that holds the `-m` module it runs (llama-cpp-python).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,3 +109,29 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+# Run by the engine command's own interpreter: the version of the distribution holding module argv[1].
+_DIST_VERSION = ("import importlib.metadata as m, sys; top = sys.argv[1].split('.')[0]; "
+                 "dist = (m.packages_distributions().get(top) or [top])[0]; print(dist, m.version(dist))")
+
+
+def engine_version(argv: list[str], base_url: str) -> dict[str, str] | None:
+    """{"name", "version", "source"} of a booted command engine, or None when nothing says."""
+    for route in ("/version", "/get_server_info"):
+        try:
+            answer = httpx.get(f"{base_url}{route}", timeout=10)
+            version = answer.json().get("version") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            version = None
+        if isinstance(version, str):
+            return {"name": argv[0], "version": version, "source": f"GET {route}"}
+    if len(argv) >= 3 and argv[1] == "-m" and "python" in Path(argv[0]).name:
+        try:
+            out = subprocess.run([argv[0], "-c", _DIST_VERSION, argv[2]], capture_output=True, text=True,
+                                 timeout=60, check=True).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if len(out) == 2:
+            return {"name": out[0], "version": out[1], "source": f"{argv[0]}'s package metadata"}
+    return None

@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lab.arms.render import Plan
+from lab.instruments.capabilities import summary
 from lab.store import reader
 from lab.store.db import Store
 
@@ -49,13 +50,14 @@ def print_run(console: Console, store: Store, ref: str) -> None:
     boots = Table("slot", "window", "arm", "role", "try", "status", "cold", "ready s", "exit", "stop", "cells",
                   "reason", title="boots", title_justify="left")
     health = reader.cell_health(store, run.id)
-    failed = []
+    failed, probed = [], []
     for slot in reader.slots(store, run.id):
         role = slot.role if slot.role != "control" else f"control/{slot.position}"
         if not slot.boots:
             boots.add_row(str(slot.idx), slot.window or "-", slot.arm.name, role, "-", _status("pending"), "", "", "",
                           "", "", "")
         for boot in slot.boots:
+            probed.append((slot, boot))
             boots.add_row(str(slot.idx), slot.window or "-", slot.arm.name, role, str(boot.attempt),
                           _status(boot.status), "cold" if boot.cold else "",
                           f"{boot.ready_s:.1f}" if boot.ready_s is not None else "",
@@ -64,10 +66,24 @@ def print_run(console: Console, store: Store, ref: str) -> None:
             if boot.status not in ("done", "starting", "ready") and boot.log_tail:
                 failed.append((slot, boot))
     console.print(boots)
+    _print_capabilities(console, probed)
     for slot, boot in failed:
         tail = "\n".join(boot.log_tail.rstrip().splitlines()[-TAIL_LINES:])
         console.print(f"[bold]{slot.idx:02d} {slot.arm.name}[/] try {boot.attempt}, {boot.log_path}:", highlight=False)
         console.print(escape(tail), style="dim", highlight=False)
+
+
+def _print_capabilities(console: Console, boots: list) -> None:
+    """What the capability probe found, once per distinct finding with the boots that share it."""
+    found: dict[str, list[str]] = {}
+    for slot, boot in boots:
+        line = summary(boot.capabilities) or "not probed (the boot never answered)"
+        found.setdefault(line, []).append(f"{slot.idx:02d}" + (f"/{boot.attempt}" if boot.attempt > 1 else ""))
+    if not boots:
+        return
+    console.print("[bold]capabilities[/] (probed at each boot's ready)")
+    for line, which in found.items():
+        console.print(f"  boots {', '.join(which)}: {escape(line)}", highlight=False)
 
 
 def _cells(health: reader.CellHealth | None) -> str:

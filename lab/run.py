@@ -46,6 +46,7 @@ class Outcome:
     run_id: int
     name: str
     boots: dict[str, int] = field(default_factory=dict)  # final status -> count, this invocation
+    measured_done: int = 0  # boots of this invocation that finished and were measured (not warm-ups)
     failures: list[str] = field(default_factory=list)
 
 
@@ -113,6 +114,7 @@ def _execute(store: Store, run: m.Run, console: Console) -> Outcome:
             for slot in pending:
                 status = run_slot(rc, slot)
                 outcome.boots[status] = outcome.boots.get(status, 0) + 1
+                outcome.measured_done += status == "done" and slot.role != "warmup"
                 label = f"{slot.idx:02d} {slot.arm.name}" + (f" ({slot.position})" if slot.role != "arm" else "")
                 if status != "done":
                     outcome.failures.append(f"{label}: {status}")

@@ -19,8 +19,10 @@ from lab import boot as engine_boot
 from lab.arms import launch as arm_launch
 from lab.arms.ladder import BundledEngine, Ladder
 from lab.arms.render import Plan
+from lab.fingerprint import engine_version
 from lab.hygiene import wait_for_memory
-from lab.instruments.base import BootContext, Instrument
+from lab.instruments import capabilities
+from lab.instruments.base import BootContext, Cell, Instrument, StepResult
 from lab.instruments.receipt import Receipt
 from lab.mem_sampler import MemSampler
 from lab.store import models as m
@@ -30,6 +32,8 @@ from lab.store.db import Store
 log = logging.getLogger("lab.run")
 # How long an engine gets to show its exit after a step whose requests failed (see alive_after).
 DEATH_GRACE_S = 2.0
+# The capability probe's large request when no instrument declares a longer one.
+MIN_PROBE_PROMPT = 64
 
 
 class Interrupted(BaseException):
@@ -99,10 +103,20 @@ def run_slot(rc: RunContext, slot: m.Slot) -> str:
                            status="ready")
         if refusal:
             return _fail(rc, slot, boot_id, "refused", refusal, proc, sampler)
+        rc.status(f"{label}: probing what the engine can do")
+        caps = _probe(rc, spec, boot_id, slot)
+        fields: dict[str, Any] = {"capabilities": caps}
+        if not isinstance(engine, BundledEngine):  # the bundled engine is the lab's own version
+            fields["fingerprint"] = {**rc.fingerprint, "engine": engine_version(spec.argv, spec.base_url)}
+        writer.update_boot(rc.store, boot_id, **fields)
+        if not caps.get("answered"):
+            large = caps.get("largest_prompt", {}).get("tokens")
+            return _fail(rc, slot, boot_id, "failed", f"not ready: a {large}-token prompt (the ladder's largest) "
+                         f"was not answered: {caps.get('error')}", proc, sampler)
         at_ready = stats
         log.info("%s ready in %.1f s%s", label, ready.seconds, " (cold)" if cold else "")
         if slot.role != "warmup":
-            died = _measure(rc, slot, boot_id, attempt, spec, proc, sampler, label)
+            died = _measure(rc, slot, boot_id, attempt, spec, proc, sampler, label, caps)
             if died:
                 return _fail(rc, slot, boot_id, "died", died, proc, sampler)
         rc.status(f"{label}: stopping")
@@ -148,6 +162,24 @@ def _check(rc: RunContext, proc: engine_boot.EngineProcess,
     # several percent slow.
     status, models = proc.get_json(f"{spec.api_base}/models", spec.api_key)
     return None, {"v1_models": models} if status == 200 else None, not warmed_before
+
+
+def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: m.Slot) -> dict[str, Any]:
+    """The capability probe's findings for this boot, with the ladder's largest prompt."""
+    largest = MIN_PROBE_PROMPT
+    for name, params in rc.ladder.instruments.sections():
+        declare = getattr(rc.instruments[name], "prompt_tokens", None)
+        if declare is not None:
+            largest = max(largest, *declare(params).values())
+    endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key)
+    salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
+    try:
+        ask_eos = any(name == "decode" for name, _ in rc.ladder.instruments.sections())
+        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, ask_eos))
+    except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
+        caps = {"answered": False, "largest_prompt": {"tokens": largest}, "error": f"{type(exc).__name__}: {exc}"}
+    log.info("capabilities: %s", capabilities.summary(caps))
+    return caps
 
 
 def _recheck_cold(rc: RunContext, proc: engine_boot.EngineProcess, spec: arm_launch.Launch, boot_id: int,
@@ -205,8 +237,11 @@ def _describe(built: list[dict[str, Any]]) -> str:
 
 
 def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm_launch.Launch,
-             proc: engine_boot.EngineProcess, sampler: MemSampler, label: str) -> str | None:
-    """Run every instrument step not yet stored for this slot; the reason if the engine died."""
+             proc: engine_boot.EngineProcess, sampler: MemSampler, label: str,
+             caps: dict[str, Any]) -> str | None:
+    """Run every instrument step not yet stored for this slot; the reason if the engine died. An
+    instrument that cannot measure this engine (capabilities.refusal) sends nothing: its steps are
+    stored with the reason, and every cell it would have written is stored invalid with it."""
     done = reader.stored_steps(rc.store, slot.id)
     controls = reader.warm_control_boots(rc.store, rc.run_id, slot.window or "", slot.idx)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/{attempt}/{boot_id}".encode()).hexdigest()[:12]
@@ -218,9 +253,16 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
                           position=slot.position, salt=salt,  # type: ignore[arg-type]
                           engine_kind=rc.ladder.engine.kind, params=params, store=rc.store,
                           control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
-                          log=logging.getLogger(f"lab.instruments.{name}"))
-        for step in instrument.plan(params):
+                          log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps)
+        refused = capabilities.refusal(name, caps)
+        for n, step in enumerate(instrument.plan(params)):
             if (name, step.key) in done:
+                continue
+            if refused:
+                why = f"refused at the capability probe: {refused}"
+                writer.write_step(rc.store, slot_id=slot.id, boot_id=boot_id, instrument=name, step=step,
+                                  result=_refused_cells(instrument, params, why) if n == 0 else None, error=why,
+                                  started_at=writer.now())
                 continue
             rc.status(f"{label}: {name} {step.key}")
             started = writer.now()
@@ -241,6 +283,15 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
             if died:
                 return died
     return None
+
+
+def _refused_cells(instrument: Instrument, params: Any, why: str) -> StepResult:
+    """An invalid cell with the reason for every cell the instrument would have stored per boot,
+    so a verdict or `lab ls` that looks for them finds why they have no value."""
+    declare = getattr(instrument, "cell_params", None)
+    by_metric = declare(params) if declare else {metric: [{}] for metric in instrument.metrics(params)}
+    return StepResult(cells=[Cell(metric, None, "", cell_params, valid=False, note=why, requests=[])
+                             for metric, many in by_metric.items() for cell_params in many])
 
 
 def _may_be_gone(receipt: Receipt) -> bool:

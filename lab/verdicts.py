@@ -18,6 +18,7 @@ closes), `lab compare` and `lab report` can all judge the same data and agree.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -153,6 +154,7 @@ class StoredCell:
     unit: str
     valid: bool
     boot_id: int
+    note: str = ""  # why an invalid cell is invalid
 
 
 @dataclass(frozen=True)
@@ -250,8 +252,9 @@ class RunEvidence:
         usable = [c for c in matching if c.valid and c.value is not None]
         notes = []
         if len(usable) < len(matching):
+            why = Counter(c.note for c in matching if not (c.valid and c.value is not None) and c.note)
             notes.append(f"{selector.label}: {len(matching) - len(usable)} invalid cell(s) from {slot.label} "
-                         "left out")
+                         "left out" + (f" ({why.most_common(1)[0][0]})" if why else ""))
         params_sets = {json.dumps(c.params, sort_keys=True, default=str) for c in usable}
         if len(params_sets) > 1:
             shown = "; ".join(sorted(params_sets))
@@ -324,6 +327,24 @@ class RunEvidence:
         return keep.GateResult(True, ", ".join(details)), notes
 
 
+def key_figure_missing(store: Store, run_id: int) -> str | None:
+    """Why no measured boot of the run stored a valid cell of any key metric (with the commonest
+    reason its cells of them are invalid), or None when one did or the ladder names no key metric."""
+    evidence = load(store, run_id)
+    if not evidence.spec.metrics:
+        return None
+    measured = [slot for slot in evidence.slots if slot.role != "warmup"]
+    keys = [c for slot in measured for c in slot.cells if any(sel.matches(c) for sel in evidence.spec.metrics)]
+    if any(c.valid and c.value is not None for c in keys):
+        return None
+    notes = Counter(c.note for c in keys if c.note)
+    labels = ", ".join(sel.label for sel in evidence.spec.metrics)
+    if notes:
+        return f"every key-metric cell ({labels}) is invalid; commonest reason: {notes.most_common(1)[0][0]}"
+    finished = sum(slot.status == "done" for slot in measured)
+    return f"no measured boot stored a cell of a key metric ({labels}); {finished} of {len(measured)} finished"
+
+
 def load(store: Store, run_id: int) -> RunEvidence:
     """Read a run's ladder, arms, slots, boots and cells."""
     with store.session() as s:
@@ -338,7 +359,8 @@ def load(store: Store, run_id: int) -> RunEvidence:
         by_slot: dict[int, list[StoredCell]] = {}
         for c in cells:
             by_slot.setdefault(c.slot_id, []).append(StoredCell(c.instrument, c.metric, dict(c.params), c.repeat,
-                                                                c.value, c.unit, c.valid, c.boot_id))
+                                                                c.value, c.unit, c.valid, c.boot_id,
+                                                                c.note or ""))
         boots_of: dict[int, list[m.Boot]] = {}
         for b in boots:
             boots_of.setdefault(b.slot_id, []).append(b)

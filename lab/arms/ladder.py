@@ -43,7 +43,10 @@ class CommandEngine(Strict):
     """Any OpenAI-compatible server started from a command template (no shell is involved)."""
 
     kind: Literal["command"]
-    command: list[str] = Field(min_length=1, description="argv with {port} and {model} placeholders")
+    command: list[str] = Field(min_length=1,
+                               description="argv with {port}, {model} and {executable} placeholders")
+    executable: str | None = Field(None, description="substituted for {executable}: the engine's own program "
+                                                     "(say its venv's python), named in one place")
     model: str = Field(description="substituted for {model}; the model name in requests unless served_model_name")
     served_model_name: str | None = Field(None, description="the `model` field requests carry, when not `model`")
     flags: dict[str, CommandValue] = Field(default_factory=dict,
@@ -58,6 +61,12 @@ class CommandEngine(Strict):
     api_key: str | None = None
     ready_timeout_s: float = Field(900.0, gt=0)
     stop_grace_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _executable_named(self) -> "CommandEngine":
+        if self.executable is None and any("{executable}" in part for part in self.command):
+            raise ValueError("command uses {executable} but the engine names no `executable`")
+        return self
 
 
 Engine = Annotated[Union[BundledEngine, CommandEngine], Field(discriminator="kind")]

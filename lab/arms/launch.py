@@ -40,7 +40,8 @@ def launch(ladder: Ladder, arm: ArmSpec, port: int, host: str = HOST) -> Launch:
 
     def fill(text: str) -> str:
         # Only our placeholders: arguments may hold literal JSON braces.
-        return re.sub(r"\{(port|model)\}", lambda m: str(port) if m.group(1) == "port" else engine.model, text)
+        values = {"port": str(port), "model": engine.model, "executable": engine.executable or ""}
+        return re.sub(r"\{(port|model|executable)\}", lambda m: values[m.group(1)], text)
 
     argv = [fill(part) for part in engine.command] + render_command_flags(engine, arm.flags)
     api_base = fill(engine.base_url).rstrip("/")

@@ -93,6 +93,9 @@ class BootContext:
     control_boot_ids: list[int]  # warm control boots of this window measured before this one
     mem: "MemSampler"  # host MemAvailable sampled since the engine started
     log: logging.Logger
+    # What the capability probe found at this boot (lab/instruments/capabilities.py); None when
+    # the instrument runs outside `lab run`, against an engine taken to have every capability.
+    capabilities: dict[str, Any] | None = None
 
 
 class Instrument(Protocol):

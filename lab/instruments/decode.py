@@ -3,7 +3,8 @@
 A level sends C x ceil(categories / C) chat requests, so every category is asked at every level
 and every wave is full: request i is category i mod 8. Each has its own salt at the start of its
 system message, T=0, a fixed `max_tokens`, and `ignore_eos` when the engine accepts it (a probe
-request with it is sent first; a 400 means it is refused). The client keeps exactly C requests in
+request with it is sent first; a 400 means it is refused), or as the capability probe found at
+boot: an engine that ignores it ends some streams early, and the cells count those streams. The client keeps exactly C requests in
 flight while any are waiting.
 
 Per level (params `{level}`, repeat = run): `agg_tok_s`, every completion token of the level
@@ -44,6 +45,7 @@ from lab.instruments.presets import PresetParams
 from lab.instruments.prompts import chat_messages, request_salt
 from lab.instruments.receipt import DEFAULT_LATE_READ_MS, Receipt
 from lab.instruments.receipt_checks import failure
+from lab.instruments.token_count import count_missing_usage
 
 C1_RUNS = 2
 # A bound on the chat-templated decode prompts' length, for checking a ladder against a context.
@@ -109,18 +111,22 @@ class DecodeInstrument:
         result = StepResult()
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key, max_connections=level,
                                                                  late_read_ms=params.late_read_ms) as client:
-            probe = await client.request({"model": ctx.model, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
-                                          "messages": chat_messages(request_salt(ctx.salt, self.name, level), "Hi")})
-            result.receipts.append(probe)
-            ignore_eos = probe.status != 400
+            eos = (ctx.capabilities or {}).get("ignore_eos")
+            if eos is None:  # not probed at boot: a 400 to a request with it means it is refused
+                probe = await client.request({"model": ctx.model, "max_tokens": 1, "temperature": 0,
+                                              "ignore_eos": True, "messages": chat_messages(
+                                                  request_salt(ctx.salt, self.name, level), "Hi")})
+                result.receipts.append(probe)
+                eos = "refused" if probe.status == 400 else "honoured"
             for run in range(C1_RUNS if level == 1 else 1):
-                payloads = self._payloads(ctx, params, level, run, ignore_eos)
+                payloads = self._payloads(ctx, params, level, run, eos != "refused")
                 before = spec_counters(await extras.metrics_text())
                 first = len(result.receipts)
                 result.receipts += await client.run_all(payloads, level)
                 after = spec_counters(await extras.metrics_text())
-                result.cells += _level_cells(level, run, result.receipts, first, params.max_tokens, ignore_eos,
-                                             exclude=params.unvouched == "exclude")
+                counted = await count_missing_usage(extras, ctx.capabilities, result.receipts[first:])
+                result.cells += _level_cells(level, run, result.receipts, first, params.max_tokens, eos,
+                                             exclude=params.unvouched == "exclude", counted=counted)
                 result.cells += spec_cells(level, run, before, after)
         return result
 
@@ -141,9 +147,10 @@ class DecodeInstrument:
 
 
 def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_tokens: int,
-                 ignore_eos: bool, exclude: bool = False) -> list[Cell]:
+                 ignore_eos: str, exclude: bool = False, counted: str = "") -> list[Cell]:
     """The level's and its categories' cells from the receipts `receipts[first:]`; with `exclude`,
-    the per-stream figures leave out the streams the client cannot vouch for."""
+    the per-stream figures leave out the streams the client cannot vouch for. `ignore_eos` is what
+    the engine does with it (capabilities.py); `counted` notes tokens counted by a tokenizer."""
     names = list(CATEGORIES)
     indexes = list(range(first, len(receipts)))
     level_params = {"level": level}
@@ -168,9 +175,13 @@ def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_
                         for metric, unit in (("agg_tok_s", "tok/s"), ("stream_tok_s", "tok/s"), ("ttft_s", "s"))]
     mine = [receipts[i] for i in indexes]
     short = sum(r.completion_tokens != max_tokens for r in mine)
-    note = f"{len(mine)} streams of {max_tokens} tokens" + ("" if ignore_eos else "; ignore_eos refused by the engine")
+    note = f"{len(mine)} streams of {max_tokens} tokens" + (
+        "" if ignore_eos == "honoured" else f"; ignore_eos {ignore_eos} by the engine")
     if short:
-        note += f"; {short} streams did not produce exactly max_tokens"
+        note += f"; {short} streams did not produce exactly max_tokens" + (
+            "" if ignore_eos == "honoured" else " (they ended early: fewer tokens, same figures per token)")
+    if counted:
+        note += f"; {counted}"
     span_ns = max(r.t_done_ns or 0 for r in mine) - min(r.t_queued_ns for r in mine)
     agg = sum(r.completion_tokens for r in mine) * 1e9 / span_ns
     kept = [i for i in indexes if i not in left_out]

@@ -1,4 +1,5 @@
-"""The optional endpoints an engine may offer beside the OpenAI API: `/tokenize`, its context
+"""The optional endpoints an engine may offer beside the OpenAI API: `/tokenize` (or
+llama-cpp-python's `/extras/tokenize`, which takes `input` and knows no chat template), its context
 length, `/reset_prefix_cache`, `/metrics` and `/v1/stats` (whether it serves random weights).
 
 Each one is optional. An engine that lacks one answers 404 (or 405, 501, or a 400 for a body it
@@ -10,25 +11,66 @@ an error.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from lab.instruments.base import BootContext
-
 # How the bundled engine names the source of random weights in `/v1/stats` ("dummy:llama3-8b").
 RANDOM_WEIGHTS_SOURCE = "dummy:"
+# Tokenizer routes in the order they are tried: vLLM's, SGLang's and the bundled engine's, then
+# llama-cpp-python's.
+TOKENIZER_ROUTES = ("/tokenize", "/extras/tokenize")
+
+
+class Boot(Protocol):
+    """What the extras need of a boot: a BootContext, or the capability probe's Endpoint."""
+
+    base_url: str
+    api_base: str
+    model: str
+    api_key: str | None
+    capabilities: dict[str, Any] | None
 
 
 class EngineExtras:
     """One boot's optional endpoints. Use as `async with EngineExtras(ctx) as extras:`."""
 
-    def __init__(self, ctx: BootContext, timeout: float = 600.0) -> None:
+    def __init__(self, ctx: Boot, timeout: float = 600.0) -> None:
         self._ctx = ctx
         headers = {"Authorization": f"Bearer {ctx.api_key}"} if ctx.api_key else {}
         self._http = httpx.AsyncClient(timeout=timeout, headers=headers, trust_env=False)
         self._max_model_len: int | None = None
         self._max_model_len_asked = False
+        # The probe's finding; without one (an instrument run outside `lab run`), `/tokenize`.
+        caps = ctx.capabilities
+        self._route: str | None = caps.get("tokenizer") if caps else TOKENIZER_ROUTES[0]
+        self._empty_tokens: int | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        return self._http
+
+    async def find_tokenizer(self) -> str | None:
+        """The first route of TOKENIZER_ROUTES that tokenizes a prompt; it is used from now on."""
+        for route in TOKENIZER_ROUTES:
+            self._route = route
+            if await self.tokenize(prompt="Hello world") is not None:
+                return route
+        self._route = None
+        return None
+
+    async def count_generated(self, text: str) -> int:
+        """How many tokens the engine's tokenizer makes of generated text: the text's count less
+        what it adds to any input (a BOS). Call only where a tokenizer route answered."""
+        if self._empty_tokens is None:
+            self._empty_tokens = len(await self._must_tokenize(""))
+        return len(await self._must_tokenize(text)) - self._empty_tokens
+
+    async def _must_tokenize(self, text: str) -> list[int]:
+        tokens = await self.tokenize(prompt=text)
+        if tokens is None:
+            raise RuntimeError(f"{self._route} stopped answering while tokens were counted")
+        return tokens
 
     async def __aenter__(self) -> EngineExtras:
         await self._http.__aenter__()
@@ -43,11 +85,17 @@ class EngineExtras:
         """The token ids the engine makes of a completion prompt, or of chat messages rendered
         through its template with the generation prompt; None when it cannot say."""
         body: dict[str, Any] = {"model": self._ctx.model}
-        if messages is not None:
+        if self._route is None:
+            return None
+        if self._route == "/extras/tokenize":
+            if messages is not None:
+                return None  # it applies no chat template
+            body["input"] = prompt
+        elif messages is not None:
             body.update(messages=messages, add_generation_prompt=True)
         else:
             body["prompt"] = prompt
-        answer = await self._json("POST", f"{self._ctx.base_url}/tokenize", body)
+        answer = await self._json("POST", f"{self._ctx.base_url}{self._route}", body)
         if not isinstance(answer, dict) or not isinstance(answer.get("tokens"), list):
             return None
         if isinstance(answer.get("max_model_len"), int):

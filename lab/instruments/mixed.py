@@ -26,6 +26,7 @@ from lab.instruments.presets import PresetParams
 from lab.instruments.prompts import PromptTooShort, chat_messages, filler_words, fit_prompt, request_salt, salt_line
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import failure, prefill_problem
+from lab.instruments.token_count import count_missing_usage
 
 SHORT_QUESTION = "In two or three sentences, why do leaves change colour in autumn?"
 ALONE = ("short_ttft_alone_s", "short_e2e_alone_s")
@@ -81,9 +82,10 @@ class MixedInstrument:
                                                                  max_connections=2) as client:
             alone = await client.request(short("alone"))
             result.receipts.append(alone)
+            counted = await count_missing_usage(extras, ctx.capabilities, [alone])
             why_alone = failure(alone)
-            cell("short_ttft_alone_s", _s(alone.ttft_ns), [0], why_alone)
-            cell("short_e2e_alone_s", _s(alone.e2e_ns), [0], why_alone)
+            cell("short_ttft_alone_s", _s(alone.ttft_ns), [0], why_alone, counted)
+            cell("short_e2e_alone_s", _s(alone.e2e_ns), [0], why_alone, counted)
 
             limit = await extras.max_model_len()
             long_prompt, why_long = None, None
@@ -105,13 +107,16 @@ class MixedInstrument:
             await extras.reset_prefix_cache()
             long_request = {"model": ctx.model, "prompt": long_prompt.form, "max_tokens": 1, "temperature": 0}
             long, behind = await client.run_all([long_request, short("behind")], 2, offsets_s=[0.0, params.delay_s])
+            await count_missing_usage(extras, ctx.capabilities, [long, behind])
         result.receipts += [long, behind]
         why_long = prefill_problem(long, params.long_tokens if long_prompt.exact else None)
-        cell("long_prefill_s", _s(long.ttft_ns), [1], why_long, note=f"{long.prompt_tokens} prompt tokens")
+        cell("long_prefill_s", _s(long.ttft_ns), [1], why_long,
+             note="; ".join(part for part in (f"{long.prompt_tokens} prompt tokens", counted) if part))
         why_behind = failure(behind) or _not_behind(long, behind) or (
             f"the long prompt is not a cold prefill: {why_long}" if why_long else None)
-        note = "" if alone.completion_tokens == behind.completion_tokens else (
-            f"the short chat generated {alone.completion_tokens} tokens alone, {behind.completion_tokens} behind")
+        note = "; ".join(part for part in (counted, "" if alone.completion_tokens == behind.completion_tokens else (
+            f"the short chat generated {alone.completion_tokens} tokens alone, {behind.completion_tokens} behind"))
+            if part)
         cell("short_ttft_behind_s", _s(behind.ttft_ns), [2], why_behind, note)
         cell("short_e2e_behind_s", _s(behind.e2e_ns), [2], why_behind, note)
         ratio = None

@@ -29,6 +29,7 @@ from lab.instruments.presets import PresetParams
 from lab.instruments.prompts import PromptTooShort, filler_words, fit_prompt, request_salt, salt_line
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import cache_note, prefill_problem, prefill_tok_s
+from lab.instruments.token_count import count_missing_usage
 
 # Below this a prompt is mostly its salt.
 MIN_LENGTH = 32
@@ -134,12 +135,13 @@ class PrefillInstrument:
         receipt = await client.request(body)
         result.receipts.append(receipt)
         index = len(result.receipts) - 1
+        counted = await count_missing_usage(extras, ctx.capabilities, [receipt])
         problem = prefill_problem(receipt, length if fitted.exact else None)
         if problem is not None:
             return invalid(problem, [index])
-        note = cache_note(receipt)
+        note = "; ".join(part for part in (cache_note(receipt), counted) if part)
         if not fitted.exact:
-            note += "; no /tokenize, so the length is an estimate"
+            note += "; no tokenizer endpoint, so the length is an estimate"
         rate = prefill_tok_s(receipt)
         assert receipt.ttft_ns is not None
         result.cells += [Cell("prefill_tok_s", rate, "tok/s", cell_params, rep, note=note, requests=[index]),

@@ -1,8 +1,9 @@
 """The receipt: everything one request did, as the client saw it and as the server counted it.
 
 Times are integer nanoseconds on `time.perf_counter_ns()`'s clock (CLOCK_MONOTONIC on Linux), so
-they compare across processes on one host. Token counts come only from the server's `usage`;
-chunks are counted for timing, never as tokens.
+they compare across processes on one host. Token counts come from the server's `usage`, or, for an
+engine that streams none, from its tokenizer endpoint once the capability probe checked it
+(`usage_counted_by`); chunks are counted for timing, never as tokens.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Receipt:
     completion_tokens: int = 0
     cached_tokens: int = 0
     usage_present: bool = False
+    # The tokenizer route that counted prompt and completion tokens, where the stream carried no usage.
+    usage_counted_by: str | None = None
     cached_tokens_present: bool = False
     text: str = ""
     reasoning_text: str = ""  # `reasoning_content` / `reasoning` deltas of reasoning models

@@ -132,9 +132,12 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
                                     "95 % confidence."))
         blocks.append(doc.TableBlock(tables.calibration_table(noise)))
 
-    for name, heading in (("decode_ladder", "Decode ladder"), ("prefill", "Prefill"), ("needle", "Needle retrieval"),
-                          ("mixed", "Mixed traffic")):
+    for name, heading, instrument in (("decode_ladder", "Decode ladder", "decode"), ("prefill", "Prefill", "prefill"),
+                                      ("needle", "Needle retrieval", "needle"), ("mixed", "Mixed traffic", "mixed")):
         blocks += [doc.Heading(heading), doc.FigureBlock(figures[name])]
+        why = tables.invalid_reason(data, instrument) if figures[name].png is None else None
+        if why:
+            blocks.append(doc.Paragraph(why, note=True))
 
     blocks.append(doc.Heading("Quality"))
     qeval = tables.qeval_table(data)

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from lab.instruments.base import NOT_APPLICABLE
+from lab.instruments.capabilities import summary
 from lab.keep import pct_text
 from lab.report.data import RunData
 from lab.stats import paired_counts
@@ -138,7 +139,18 @@ def boots_table(data: RunData) -> pd.DataFrame:
         "try": boots["attempt"], "status": boots["status"], "cold": boots["cold"].map({True: "cold", False: ""}),
         "ready s": boots["ready_s"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}"),
         "reason": boots["reason"].fillna(""),
+        "capabilities": boots["capabilities"].map(lambda caps: summary(caps) if isinstance(caps, dict) else ""),
     })
+
+
+def invalid_reason(data: RunData, instrument: str) -> str | None:
+    """Why an instrument has no figure: how many of its cells are invalid and their commonest note."""
+    cells = data.cells[(data.cells["instrument"] == instrument) & ~data.cells["valid"]]
+    if cells.empty:
+        return None
+    notes = cells["note"].fillna("").value_counts()
+    return (f"{len(cells)} {instrument} cells are invalid; the commonest reason ({notes.iloc[0]} of them): "
+            f"{notes.index[0] or 'none given'}")
 
 
 def fingerprint_table(data: RunData) -> pd.DataFrame:

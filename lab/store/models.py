@@ -109,6 +109,8 @@ class Boot(Base):
     expected_config_hash: Mapped[str | None] = mapped_column(String(64))
     booted_config_hash: Mapped[str | None] = mapped_column(String(64))
     engine_stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # /v1/stats (or /v1/models) at ready
+    # What the capability probe found at ready (lab/instruments/capabilities.py)
+    capabilities: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     mem_available_start: Mapped[int | None] = mapped_column(BigInteger)  # bytes, before start
     mem_available_floor: Mapped[int | None] = mapped_column(BigInteger)  # bytes, lowest seen during the boot
     fingerprint: Mapped[dict[str, Any]] = mapped_column(default=dict)
@@ -191,6 +193,7 @@ class Request(Base):
     opened_connection: Mapped[bool | None]
     read_lag_max_ns: Mapped[int | None] = mapped_column(BigInteger)  # how far the client fell behind
     unvouched: Mapped[str | None] = mapped_column(Text)  # why the client cannot vouch for its timing
+    usage_counted_by: Mapped[str | None] = mapped_column(String(64))  # tokenizer route, where no usage came
 
 
 class QevalItem(Base):

@@ -24,7 +24,7 @@ RECEIPT_FIELDS = ("endpoint", "status", "error", "t_queued_ns", "t_sent_ns", "t_
                   "token_times_ns", "prompt_tokens", "completion_tokens", "cached_tokens", "text", "finish_reason",
                   "payload", "response", "request_id", "response_id", "chunk_tokens", "usage_present",
                   "cached_tokens_present", "reasoning_text", "logprobs", "opened_connection", "read_lag_max_ns",
-                  "unvouched")
+                  "unvouched", "usage_counted_by")
 
 
 def now() -> datetime:

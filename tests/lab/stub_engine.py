@@ -24,7 +24,8 @@ def main() -> None:
     parser.add_argument("--exit", type=int, default=None, help="exit at once with this status")
     parser.add_argument("--never-ready", action="store_true", help="answer completions with 503 forever")
     parser.add_argument("--ignore-term", action="store_true")
-    parser.add_argument("--die-on-stats", action="store_true", help="exit when /v1/stats is asked for")
+    parser.add_argument("--die-on-stats", action="store_true",
+                        help="exit when /v1/stats is asked for after the capability probe's look at it")
     parser.add_argument("--child-pid-file", help="start a sleeping child in the same group; write its pid here")
     parser.add_argument("--seqs", default="")  # a flag arms can change; echoed in /v1/models
     args = parser.parse_args()
@@ -39,6 +40,8 @@ def main() -> None:
         with open(args.child_pid_file, "w") as f:
             f.write(str(child.pid))
 
+    stats_asked: list[int] = []
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a: object) -> None:
             pass
@@ -52,9 +55,11 @@ def main() -> None:
             self.wfile.write(data)
 
         def do_GET(self) -> None:
+            if self.path == "/v1/stats":
+                stats_asked.append(1)
             if self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": args.model, "seqs": args.seqs}]})
-            elif self.path == "/v1/stats" and args.die_on_stats:
+            elif self.path == "/v1/stats" and args.die_on_stats and len(stats_asked) > 1:
                 print("stub engine: dying on /v1/stats as asked", flush=True)
                 # Hang up first and exit a moment later, as a real process tearing down does: the
                 # lab sees the connection drop while the engine is still alive.

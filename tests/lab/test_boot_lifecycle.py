@@ -140,14 +140,23 @@ def test_lab_ls_lists_runs_then_one_runs_arms_and_boots(tmp_path, lab, capsys) -
 
 def test_lab_ls_counts_each_boots_invalid_cells_and_says_why(tmp_path, lab, capsys) -> None:
     body = ("windows:\n  - name: W1\n    control: C0ctl\n    arms:\n      - {name: A1, flags: {seqs: 2}}\n"
-            "instruments:\n  decode: {levels: [1], max_tokens: 4}\n")
-    assert lab("run", str(stub_ladder(tmp_path, body)), "--name", "probe") == 0
-    capsys.readouterr()
+            "instruments:\n  decode: {levels: [1], max_tokens: 4}\n"
+            "keep:\n  metrics: [{metric: decode.agg_tok_s, where: {level: 1}}]\n")
+    # Every boot finished, yet none measured its key metric: the run fails, and says why.
+    assert lab("run", str(stub_ladder(tmp_path, body)), "--name", "probe") == 1
+    assert "run probe judged nothing: every key-metric cell (decode.agg_tok_s[level=1]) is invalid; commonest " \
+           "reason: refused at the capability probe: the engine streams no usage" in capsys.readouterr().err
     assert lab("ls", "probe") == 0
     out = capsys.readouterr().out
-    # The stub serves no streaming completions: every boot is "done" and measured nothing, and
-    # the listing says so per boot, with the commonest reason.
-    assert out.count("0 valid, 22 invalid (16: HTTP 404: not found)") == 3, out
+    # The stub streams no usage and has no tokenizer: the capability probe finds that at each
+    # boot, so decode sends nothing and stores its cells invalid with the reason, and the listing
+    # says so per boot, with the probe's findings.
+    why = "refused at the capability probe: the engine streams no usage and its"  # the table wraps the rest
+    assert out.count(f"0 valid, 14 invalid (14: {why}") == 3, out
+    # decode's largest request (max_tokens + its prompts' bound) less the probe's 8 generated tokens,
+    # sized by estimate: no tokenizer
+    assert "boots 00, 01, 02: 252≈-token prompt ✓ · usage ✗ (uncountable) · ignore_eos unknown · logprobs ✗ · " \
+           "tokenizer ✗ · metrics ✗ · stats ✗ · cache reset ✗" in out, out
 
 
 def test_engine_command_that_cannot_start_is_a_failed_boot(tmp_path, lab, store, capsys) -> None:
@@ -156,4 +165,4 @@ def test_engine_command_that_cannot_start_is_a_failed_boot(tmp_path, lab, store,
     assert lab("run", str(path)) == 1
     reasons = {b.reason for _, b in boots(store)}
     assert reasons == {"cannot start no-such-engine-binary: No such file or directory"}
-    assert "no boot of run" in capsys.readouterr().err
+    assert "no measured boot of run" in capsys.readouterr().err

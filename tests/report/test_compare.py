@@ -192,3 +192,14 @@ def test_without_key_metrics_every_shared_metric_is_a_row_and_nothing_is_judged(
     assert comparison.rows[1].delta_pct == pytest.approx(10.0) and comparison.rows[1].change == "better"
     assert comparison.verdicts == {"C0ctl": None, "A1": None}
     assert any("names no key metric" in note for note in comparison.notes)
+
+
+def test_an_arm_without_a_value_says_why(store) -> None:
+    # An engine whose streams carry no usage: every cell of the key metric is invalid, with its reason.
+    unusable = Boot(values={FLOOR: 5.0}, cells={"memory": [Cell("kv_pool_tokens", None, "tokens", valid=False,
+                                                                note="the response carried no usage",
+                                                                requests=[])]})
+    build_run(store, {"C0ctl/open": boot(100), "A1": unusable, "A2": boot(100), "C0ctl/close": boot(100)})
+    row = compare(store, "A1", "A2").rows[0]
+    assert row.a is None and row.note == ("no value from A1 (memory.kv_pool_tokens: 1 invalid cell(s) from A1 "
+                                          "left out (the response carried no usage))")

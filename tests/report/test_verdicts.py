@@ -153,7 +153,8 @@ def test_an_invalid_cell_is_never_a_figure(store) -> None:
     run_id = build_run(store, {"C0ctl/open": boot(1000), "A1": invalid, "C0ctl/close": boot(1000)})
     verdict = judge_run(store, run_id)["A1"]
     assert str(verdict.decision) == "inconclusive"
-    assert "memory.kv_pool_tokens: 1 invalid cell(s) from A1 left out" in verdict.reasons
+    # the reason names why, from the cell's note
+    assert "memory.kv_pool_tokens: 1 invalid cell(s) from A1 left out (cached)" in verdict.reasons
 
 
 def test_judging_again_replaces_the_stored_verdicts(store) -> None:

@@ -1,0 +1,187 @@
+"""The capability probe: what an engine does of what the instruments rely on, asked once per boot.
+
+Run right after a boot answered its first completion, it finds out, each with a request of its
+own:
+
+- `answered`: a real request of the ladder's largest size (its instruments' longest request,
+  prompt and output) was answered. Readiness means this, not a 1-token prompt: an engine that crashes on long prompts
+  fails its boot here instead of storing a run of invalid cells.
+- `streamed_usage`: a stream asked for `stream_options.include_usage` carried `usage`.
+- `ignore_eos`: `honoured` (a greedy chat that stops early by itself ran to `max_tokens` with it),
+  `ignored` (it stopped early anyway), `refused` (HTTP 400), `unknown` (the chat did not stop
+  early without it, so there was nothing to tell), or `not asked` (no instrument of the ladder
+  sends it: two generations a boot saved).
+- `logprobs`: a completion asked for `logprobs` returned them.
+- `tokenizer`: the route that tokenizes a prompt (`/tokenize`, llama-cpp-python's
+  `/extras/tokenize`), or None.
+- `token_count`: whether the instruments may count tokens with that tokenizer where a stream has
+  no `usage`: the counts it gives for the large prompt and for the generated texts that ran to
+  `max_tokens` are checked against the engine's own non-streamed `usage` of the same requests (a
+  reply that ended on EOS is left out: engines differ in whether `usage` counts the EOS token; so
+  is one forced past EOS: the special tokens it generated there have no text to count).
+- `metrics`, `stats`, `prefix_cache_reset`: `/metrics`, `/v1/stats` and `/reset_prefix_cache`
+  answered 200.
+
+`refusal` says, per instrument, why it cannot measure an engine with these capabilities.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from lab.instruments.client import StreamingClient
+from lab.instruments.engine_extras import EngineExtras
+from lab.instruments.prompts import filler_words, fit_prompt, salt_line
+from lab.instruments.receipt import Receipt
+
+log = logging.getLogger("lab.capabilities")
+
+# A chat an instruct model ends within a few tokens; `ignore_eos` must carry it to EOS_MAX_TOKENS.
+EOS_QUESTION = "Reply with the single word: yes."
+EOS_MAX_TOKENS = 32
+# The large prompt's reply: enough tokens to check a tokenizer's count of generated text.
+LARGE_MAX_TOKENS = 8
+# Instruments whose figures are token counts over time: they need `usage` or a checked tokenizer.
+COUNTING = ("prefill", "decode", "mixed")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a booted engine answers; what `EngineExtras` needs of a boot."""
+
+    base_url: str
+    api_base: str
+    model: str
+    api_key: str | None
+    capabilities: dict[str, Any] | None = None
+
+
+async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: bool = True) -> dict[str, Any]:
+    """The capabilities of the engine at `endpoint` (module docstring), as a JSON-able dict.
+    `largest_prompt` is the most tokens (prompt and output) one request of the ladder holds, at
+    least LARGE_MAX_TOKENS + 32. Never raises for what an engine lacks; `answered` False with
+    `error` when the large request failed."""
+    caps: dict[str, Any] = {}
+    async with EngineExtras(endpoint) as extras, StreamingClient(endpoint.base_url, endpoint.api_key,
+                                                                  max_connections=1) as client:
+        caps["tokenizer"] = await extras.find_tokenizer()
+        caps["metrics"] = await _answers(extras.http, "GET", f"{endpoint.base_url}/metrics")
+        caps["stats"] = await _answers(extras.http, "GET", f"{endpoint.base_url}/v1/stats")
+        caps["prefix_cache_reset"] = await extras.reset_prefix_cache()
+        # Its reply's tokens count too: the request as a whole is the ladder's largest.
+        large, exact, prompt_text = await _large_prompt(extras, largest_prompt - LARGE_MAX_TOKENS, salt)
+        answer = await client.request({"model": endpoint.model, "prompt": prompt_text, "max_tokens": LARGE_MAX_TOKENS,
+                                       "temperature": 0, "logprobs": 1, "stream": False})
+        caps["largest_prompt"] = {"tokens": large, "exact": exact}
+        caps["answered"] = answer.ok
+        if not answer.ok:
+            caps["error"] = answer.error
+            return caps
+        caps["logprobs"] = bool(answer.logprobs)
+        stream = await client.request({"model": endpoint.model, "prompt": f"{salt_line(salt)} Hello", "max_tokens": 2,
+                                       "temperature": 0})
+        caps["streamed_usage"] = stream.ok and stream.usage_present
+        replies = [answer]
+        caps["ignore_eos"] = "not asked"
+        if ask_eos:
+            messages = [{"role": "user", "content": EOS_QUESTION}]
+            plain = await client.request({"model": endpoint.model, "messages": messages,
+                                          "max_tokens": EOS_MAX_TOKENS, "temperature": 0, "stream": False})
+            caps["ignore_eos"] = await _ignore_eos(client, endpoint.model, messages, plain)
+            # Not the forced reply: the special tokens generated past EOS leave no text to count.
+            replies.append(plain)
+        caps["token_count"] = await _check_counts(extras, caps["tokenizer"], prompt_text, answer, replies)
+    return caps
+
+
+async def _answers(http: httpx.AsyncClient, method: str, url: str) -> bool:
+    try:
+        return (await http.request(method, url)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def _large_prompt(extras: EngineExtras, tokens: int, salt: str) -> tuple[int, bool, str]:
+    """A completion prompt of `tokens` tokens (exact where the engine tokenizes), its count and text."""
+    words = filler_words(salt, tokens)
+    fitted = await fit_prompt(extras, tokens, lambda k, tail: f"{salt_line(salt)} {' '.join(words[:k])}{tail}",
+                              len(words))
+    return fitted.tokens, fitted.exact, fitted.form
+
+
+async def _ignore_eos(client: StreamingClient, model: str, messages: list[dict[str, str]], plain: Receipt) -> str:
+    """What the engine does with `ignore_eos`, given its answer to the same chat without it."""
+    if not plain.ok or plain.finish_reason != "stop" or plain.completion_tokens >= EOS_MAX_TOKENS:
+        return "unknown"
+    forced = await client.request({"model": model, "messages": messages, "max_tokens": EOS_MAX_TOKENS,
+                                   "temperature": 0, "ignore_eos": True, "stream": False})
+    if forced.status == 400:
+        return "refused"
+    if not forced.ok or not forced.usage_present:
+        return "unknown"
+    return "honoured" if forced.completion_tokens == EOS_MAX_TOKENS else "ignored"
+
+
+async def _check_counts(extras: EngineExtras, tokenizer: str | None, prompt: str, large: Receipt,
+                        replies: list[Receipt]) -> dict[str, Any]:
+    """Whether the tokenizer's counts match the engine's `usage` on requests it answered whole."""
+    if tokenizer is None:
+        return {"ok": False, "why": "the engine has no tokenizer endpoint"}
+    checks = []
+    counted = await extras.tokenize(prompt=prompt)
+    if large.usage_present and counted is not None:
+        checks.append(("prompt", len(counted), large.prompt_tokens))
+    for n, receipt in enumerate(replies):
+        if receipt.ok and receipt.usage_present and receipt.finish_reason == "length":
+            checks.append((f"reply {n + 1}", await extras.count_generated(receipt.text), receipt.completion_tokens))
+    if not checks:
+        return {"ok": False, "why": "no non-streamed usage to check the tokenizer against"}
+    shown = ", ".join(f"{name} {mine} (usage {theirs})" for name, mine, theirs in checks)
+    if all(mine == theirs for _, mine, theirs in checks):
+        return {"ok": True, "via": tokenizer, "checked": shown}
+    return {"ok": False, "why": f"{tokenizer} counts differ from the engine's usage: {shown}"}
+
+
+def count_note(caps: dict[str, Any] | None) -> str:
+    """The note of a cell whose token counts came from the tokenizer, or ''."""
+    if caps is None or caps.get("streamed_usage", True):
+        return ""
+    return f"tokens counted by {caps['token_count']['via']}"
+
+
+def refusal(instrument: str, caps: dict[str, Any] | None) -> str | None:
+    """Why `instrument` cannot measure an engine with these capabilities, or None."""
+    if caps is None:
+        return None
+    if instrument in COUNTING and not caps.get("streamed_usage", True):
+        count = caps.get("token_count") or {}
+        if not count.get("ok"):
+            return f"the engine streams no usage and its tokens cannot be counted: {count.get('why', 'not probed')}"
+    return None
+
+
+def summary(caps: dict[str, Any] | None) -> str:
+    """One line for `lab ls` and the report, e.g.
+    `1537-token prompt ✓ · usage ✗ (counted by /extras/tokenize) · ignore_eos ignored · logprobs ✓ · …`."""
+    if not caps:
+        return ""
+    large = caps.get("largest_prompt") or {}
+    size = f"{large.get('tokens', '?')}{'' if large.get('exact', True) else '≈'}-token prompt"
+    if not caps.get("answered"):
+        return f"{size} ✗ ({caps.get('error', 'no answer')})"
+
+    def mark(key: str) -> str:
+        return "✓" if caps.get(key) else "✗"
+
+    usage = f"usage {mark('streamed_usage')}"
+    if not caps.get("streamed_usage"):
+        count = caps.get("token_count") or {}
+        usage += f" (counted by {count['via']})" if count.get("ok") else " (uncountable)"
+    return " · ".join([f"{size} ✓", usage, f"ignore_eos {caps.get('ignore_eos', '?')}", f"logprobs {mark('logprobs')}",
+                       f"tokenizer {caps.get('tokenizer') or '✗'}", f"metrics {mark('metrics')}",
+                       f"stats {mark('stats')}", f"cache reset {mark('prefix_cache_reset')}"])
+

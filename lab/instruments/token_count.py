@@ -1,0 +1,41 @@
+"""Token counts for streams that carried no `usage`, from the engine's own tokenizer endpoint.
+
+Only where the capability probe checked that tokenizer against the engine's non-streamed `usage`
+(lab/instruments/capabilities.py): then an answered receipt without usage gets the tokenizer's
+count of its prompt (a completion prompt, or chat messages where the route applies the chat
+template) and of its generated text, and `usage_counted_by` names the route. Cells built from such
+receipts say so in their note. Generated special tokens (an EOS that `ignore_eos` ran past) have
+no text, so they go uncounted: the probe checks only replies free of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from lab.instruments.capabilities import count_note
+from lab.instruments.client import COMPLETIONS
+from lab.instruments.engine_extras import EngineExtras
+from lab.instruments.receipt import Receipt
+
+
+async def count_missing_usage(extras: EngineExtras, caps: dict[str, Any] | None, receipts: Iterable[Receipt]) -> str:
+    """Fill in the counts of the receipts that lack usage; the note for their cells, or '' when
+    the engine streams its own usage (or was not probed)."""
+    note = count_note(caps)
+    if not note:
+        return ""
+    assert caps is not None
+    route = caps["token_count"]["via"]
+    for receipt in receipts:
+        if not receipt.ok or receipt.usage_present:
+            continue
+        if receipt.endpoint == COMPLETIONS:
+            prompt = await extras.tokenize(prompt=receipt.payload["prompt"])
+        else:
+            prompt = await extras.tokenize(messages=receipt.payload["messages"])
+        receipt.prompt_tokens = len(prompt) if prompt is not None else 0
+        receipt.completion_tokens = await extras.count_generated(receipt.text)
+        receipt.usage_present = True
+        receipt.usage_counted_by = route
+    return note
