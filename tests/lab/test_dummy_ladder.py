@@ -22,7 +22,9 @@ LADDER = f"""\
     engine:
       kind: bundled
       model: dummy:tiny
-      flags: {{device: cpu, max-model-len: 2048, kv-cache-memory-bytes: 134217728}}
+      # The tiny shape prefills 600 tokens in about 10 ms on a quiet host: a known 30 ms per engine
+      # step keeps the mixed instrument's long prefill running when its short chat arrives.
+      flags: {{device: cpu, max-model-len: 2048, kv-cache-memory-bytes: 134217728, inject-step-delay-ms: 30}}
     windows:
       - name: W1
         control: C0ctl
@@ -32,7 +34,7 @@ LADDER = f"""\
       prefill: {{lengths: [100, 700], reps: 1}}
       needle: {{lengths: [256], depths: [0.5]}}
       decode: {{levels: [1, 2], max_tokens: {DECODE_TOKENS}}}
-      mixed: {{long_tokens: 600, delay_s: 0.05}}
+      mixed: {{long_tokens: 600, delay_s: 0.01}}
       qeval: {{per_category: 1}}
       agreement: {{prompts: 2, max_tokens: 8}}
       memory:
