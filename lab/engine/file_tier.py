@@ -25,12 +25,13 @@ import logging
 import os
 import struct
 import zlib
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from lab.engine.tier_index import BlockIndex
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class FileTier:
         self.block_size = identity["block_size"]
         self.block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
         self.record = record_bytes(self.block_size, self.block_bytes)
-        self.index: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
+        self.index = BlockIndex()
         self.free: list[int] = []  # slots of records dropped from the index, reused first
         self.num_slots = 0  # records in the file
         self.blocks_found = 0  # valid blocks found at open, written by an earlier engine
@@ -161,15 +162,13 @@ class FileTier:
         return len(self.index)
 
     def __contains__(self, key: tuple[int, tuple[int, ...]]) -> bool:
-        entry = self.index.get(key[0])
-        return entry is not None and entry[1] == key[1]
+        return self.index.slot(*key) is not None
 
     def get(self, h: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
         """The block's K/V on the host, verified; None when absent or damaged."""
-        entry = self.index.get(h)
-        if entry is None or entry[1] != tokens:
+        slot = self.index.slot(h, tokens)
+        if slot is None:
             return None
-        slot = entry[0]
         try:
             raw = os.pread(self.fd, self.record, HEADER_BYTES + slot * self.record)
         except OSError as exc:

@@ -4,10 +4,11 @@ used first out."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable
 
 import torch
+
+from lab.engine.tier_index import BlockIndex
 
 # Called with a block's hash, tokens and data just before its slot is reused.
 Spill = Callable[[int, tuple[int, ...], torch.Tensor], None]
@@ -20,7 +21,7 @@ class HostTier:
         # the copies back to the device asynchronous-capable.
         self.pool = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)
         self.capacity = capacity_blocks
-        self.index: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
+        self.index = BlockIndex()
         self.free = list(range(capacity_blocks))
         self.on_evict = on_evict
         self.blocks_written = 0
@@ -29,15 +30,14 @@ class HostTier:
         return len(self.index)
 
     def __contains__(self, key: tuple[int, tuple[int, ...]]) -> bool:
-        entry = self.index.get(key[0])
-        return entry is not None and entry[1] == key[1]
+        return self.index.slot(*key) is not None
 
     def get(self, h: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
-        entry = self.index.get(h)
-        if entry is None or entry[1] != tokens:
+        slot = self.index.slot(h, tokens)
+        if slot is None:
             return None
         self.index.move_to_end(h)
-        return self.pool[entry[0]]
+        return self.pool[slot]
 
     def put(self, h: int, tokens: tuple[int, ...], block: torch.Tensor) -> None:
         if h in self.index:
