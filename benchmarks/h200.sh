@@ -20,7 +20,11 @@
 #   report and the boots' logs as lab-report.tgz, the GPU's power, temperature and clocks through the run as
 #   lab-dmon.txt (a call of its own: the ladder takes most of ten minutes); served is batch-1 and
 #   64-stream decode offline and through the server, at three GIL switch intervals, with a py-spy
-#   profile (--gil: who holds the GIL) of each served engine when py-spy is in .whl
+#   profile (--gil: who holds the GIL) of each served engine when py-spy is in .whl; spec is batch-1 and
+#   32-stream decode plain, with prompt lookup, and without overlap; tier-restart is
+#   benchmarks/tier_restart.py at 100K tokens; inject3 is benchmarks/ladders/h200-inject3.yaml (10 arms with
+#   a true 3 % slowdown) after a 3-boot calibration, tallied; calibrate is 7 control boots of
+#   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -51,8 +55,34 @@ for stage in $stages; do
     fp8) timeout 120 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
             --concurrency 32 --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" \
             > "$OUT/llama3_8b_fp8.txt" 2>&1 ;;
-    tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
-            tests/engine/test_kernels.py tests/engine/test_kernel_gemv.py > "$OUT/gpu_tests.txt" 2>&1 ;;
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
+            tests/engine/test_kernels.py tests/engine/test_kernel_gemv.py tests/engine/test_chunk_attention.py \
+            tests/engine/test_decode_graphs.py tests/engine/test_cold.py tests/lab/test_known_effect.py \
+            > "$OUT/gpu_tests.txt" 2>&1 ;;
+    spec) # prompt lookup's cost on random weights (acceptance near zero), beside plain decoding and
+         # beside plain decoding without overlap (prompt lookup turns overlap off)
+         for mode in plain lookup nooverlap; do
+           case $mode in plain) extra=() ;; lookup) extra=(--prompt-lookup) ;; nooverlap) extra=(--overlap-decode off) ;; esac
+           timeout 120 python3 -m lab.engine bench "${big[@]}" "${extra[@]}" --prefill-lengths "" --decode-tokens 256 \
+             --concurrency 32 --repeats 3 --reference none --throughput "" --json "$OUT/spec_$mode.json" \
+             > "$OUT/spec_$mode.txt" 2>&1; done ;;
+    tier-restart) timeout 300 python3 benchmarks/tier_restart.py --model dummy:llama3-8b --device cuda \
+            --context-tokens 100000 --turn-tokens 10000 --repeats 2 --file-tier-bytes 21474836480 \
+            --workdir /tmp/tier-restart --json "$OUT/tier_restart.json" > "$OUT/tier_restart.txt" 2>&1 ;;
+    inject3) # issue 14's power on the GPU: 10 arms with a true 3 % slowdown of batch-1 decode
+         db=$OUT/inject3.db; run=h200-inject3-$commit
+         { timeout 150 python3 -m lab calibrate benchmarks/ladders/h200-inject3.yaml --boots 3 --db "$db" \
+             --name "$run-calibration"; echo "lab calibrate exit $?"
+           timeout 360 python3 -m lab run benchmarks/ladders/h200-inject3.yaml --db "$db" --name "$run"
+           echo "lab run exit $?"
+           python3 -m lab ls --db "$db" "$run"; python3 benchmarks/issue14_verdicts.py "$db" "$run"
+           COLUMNS=200 python3 -m lab compare --db "$db" W1ctl I01; } > "$OUT/inject3.txt" 2>&1 ;;
+    calibrate) # 7 control boots of ladders/h200.yaml into .cache/lab/lab-h200.db (carry [".cache/lab"]):
+         # the lab stage of the next call runs the ladder into the same store and is judged with them
+         mkdir -p .cache/lab
+         { timeout 560 python3 -m lab calibrate ladders/h200.yaml --boots 7 --db .cache/lab/lab-h200.db \
+             --name "h200-$commit-calibration7"; echo "lab calibrate exit $?"; } > "$OUT/calibrate.txt" 2>&1
+         cp .cache/lab/lab-h200.db "$OUT/lab-h200-calibration.db" ;;
     kernels) { timeout 90 python3 -m lab.engine.kernels.bench_gemv; timeout 90 python3 -m lab.engine.kernels.bench_kernels; } \
             > "$OUT/kernels.txt" 2>&1 ;;
     attn-prefill) { timeout 240 python3 benchmarks/attention_prefill.py;
@@ -76,9 +106,11 @@ for stage in $stages; do
          # power, temperature and clocks once a second, to set beside each boot's figures
          nvidia-smi dmon -s pc -d 1 -o DT > "$OUT/lab-dmon.txt" 2>&1 &
          dmon=$!
-         { timeout 170 python3 -m lab calibrate ladders/h200.yaml --boots 3 --db "$OUT/lab-h200.db" \
-             --name "$run-calibration"
-           echo "lab calibrate exit $?"
+         # a store carried in .cache/lab/ holds the calibration (stage calibrate); else 3 boots here
+         if [ -f .cache/lab/lab-h200.db ]; then cp .cache/lab/lab-h200.db "$OUT/lab-h200.db"; fi
+         { if [ ! -f .cache/lab/lab-h200.db ]; then
+             timeout 170 python3 -m lab calibrate ladders/h200.yaml --boots 3 --db "$OUT/lab-h200.db" --name "$run-calibration"
+             echo "lab calibrate exit $?"; fi
            timeout 400 python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
            echo "lab run exit $?"
            kill $dmon
@@ -115,3 +147,6 @@ cat "$OUT/env.txt"
 for f in "$OUT"/*.txt; do [ "$f" = "$OUT/env.txt" ] || [ "$f" = "$OUT/lab.txt" ] || { echo "== $f"; grep -E "figure:|reference|passed|failed|Error" "$f" | cut -c 60-220; }; done
 for f in "$OUT"/attention_fp8.txt "$OUT"/step_profile.txt "$OUT"/attention_prefill.txt; do [ -f "$f" ] && { echo "== $f"; grep -v -i warn "$f" | cut -c 1-120; }; done
 [ -f "$OUT/lab.txt" ] && { echo "== $OUT/lab.txt"; grep -E "KEEP|✓|✗|exit|Error|drift" "$OUT/lab.txt" | cut -c 1-240; }
+for f in "$OUT"/inject3.txt "$OUT"/tier_restart.txt "$OUT"/calibrate.txt; do [ -f "$f" ] && { echo "== $f"; tail -25 "$f" | cut -c 1-240; }; done
+for f in "$OUT"/spec_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "decode|batch|accept" "$f" | cut -c 1-200; }; done
+true

@@ -76,9 +76,9 @@ class EngineConfig:
                               "linear = always F.linear", ("measured", "linear"))
     gil_switch_interval_ms: float = _knob(5.0, "served engine: longest the HTTP event loop holds the GIL while the "
                                           "step loop waits for it (sys.setswitchinterval; Python's default is 5)")
-    inject_step_delay_ms: float = _knob(0.0, "known cost for measuring the lab's power: sleep this long in every "
-                                        "step that runs work, so T decode tokens take at least T times it longer "
-                                        "(0 = off)")
+    inject_step_delay_ms: float = _knob(0.0, "known cost for measuring the lab's power: every step that runs work "
+                                        "takes this much longer (a host sleep on the CPU, a spin kernel on the "
+                                        "device's stream on a GPU, so overlap cannot hide it; 0 = off)")
 
     def __post_init__(self) -> None:
         validate(self)

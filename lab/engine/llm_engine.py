@@ -13,6 +13,7 @@ import torch
 from lab.engine import cpu_linear
 from lab.engine.block_manager import BlockManager
 from lab.engine.config import ConfigError, EngineConfig
+from lab.engine.known_cost import KnownCost
 from lab.engine.kv_tiers import build_tiers
 from lab.engine.loader import LoadedModel, load_model
 from lab.engine.model_runner import InflightStep, ModelRunner, resolve_device, resolve_dtype
@@ -91,6 +92,7 @@ class LLMEngine:
         if self.drafter is not None and self.runner.graphs is not None:
             log.info("prompt lookup is on: steps that verify drafts run eagerly, the others replay CUDA graphs")
         self._inflight: InflightStep | None = None
+        self.known_cost = KnownCost(config.inject_step_delay_ms, self.device)
         self.load_seconds = time.monotonic() - started
         log.info("engine ready in %.1f s: %s on %s (%s), KV pool %d blocks x %d = %d tokens (%.1f MiB)",
                  self.load_seconds, config.model, self.device, str(self.dtype).removeprefix("torch."),
@@ -151,8 +153,8 @@ class LLMEngine:
         been queued behind it, so the host's work (scheduling, inputs, outputs) hides behind the
         device's; a step that cannot overlap first collects the step in flight."""
         plan = self.scheduler.schedule()
-        if plan.scheduled and self.config.inject_step_delay_ms:
-            time.sleep(self.config.inject_step_delay_ms / 1000)  # a documented known cost, see the knob
+        if plan.scheduled:
+            self.known_cost()
         inflight = self._inflight
         if self.overlap and self._overlappable(plan):
             self._trim_certain_finishers(plan)

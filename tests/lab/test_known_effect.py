@@ -39,3 +39,17 @@ def test_the_injected_delay_shows_up_in_every_step_of_a_decode() -> None:
 def test_an_impossible_delay_is_refused(value: str) -> None:
     with pytest.raises(ConfigError, match="--inject-step-delay-ms"):
         from_sources({"inject_step_delay_ms": value}, environ={})
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_delay_lands_on_the_device_even_with_overlapped_decode() -> None:
+    # A host sleep would hide behind the device while overlapped decode keeps a step queued;
+    # the spin kernel cannot, so each step costs at least the delay.
+    delay_ms = 2.0
+    plain = LLM("dummy:tiny", device="cuda", overlap_decode="on", max_model_len=256)
+    slowed = LLM("dummy:tiny", device="cuda", overlap_decode="on", inject_step_delay_ms=delay_ms, max_model_len=256)
+    decode_seconds(plain), decode_seconds(slowed)  # compile and capture first
+    base, _ = decode_seconds(plain)
+    seconds, steps = decode_seconds(slowed)
+    assert slowed.engine.counters.overlapped_steps > 0
+    assert seconds - base >= 0.9 * (steps - 1) * delay_ms / 1000
