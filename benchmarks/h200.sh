@@ -21,7 +21,7 @@
 #   lab-dmon.txt (a call of its own: the ladder takes most of ten minutes); served is batch-1 and
 #   64-stream decode offline and through the server, at three GIL switch intervals, with a py-spy
 #   profile (--gil: who holds the GIL) of each served engine when py-spy is in .whl; spec is batch-1 and
-#   32-stream decode plain, with prompt lookup, and without overlap; tier-restart is
+#   32-stream decode plain and with prompt lookup, sampled (temperature 1) and greedy; tier-restart is
 #   benchmarks/tier_restart.py at 100K tokens; inject3 is benchmarks/ladders/h200-inject3.yaml (10 arms with
 #   a true 3 % slowdown) after a 3-boot calibration, tallied; calibrate is 7 control boots of
 #   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses
@@ -59,10 +59,10 @@ for stage in $stages; do
             tests/engine/test_kernels.py tests/engine/test_kernel_gemv.py tests/engine/test_chunk_attention.py \
             tests/engine/test_decode_graphs.py tests/engine/test_cold.py tests/lab/test_known_effect.py \
             > "$OUT/gpu_tests.txt" 2>&1 ;;
-    spec) # prompt lookup's cost on random weights (acceptance near zero), beside plain decoding and
-         # beside plain decoding without overlap (prompt lookup turns overlap off)
-         for mode in plain lookup nooverlap; do
-           case $mode in plain) extra=() ;; lookup) extra=(--prompt-lookup) ;; nooverlap) extra=(--overlap-decode off) ;; esac
+    spec) # prompt lookup beside plain decoding on random weights: sampled at temperature 1 its drafts
+         # miss (its cost), greedy the random model repeats itself and drafts are accepted
+         for mode in plain-t1 lookup-t1 plain-t0 lookup-t0; do
+           extra=(--decode-temperature "${mode#*-t}"); [ "${mode%-*}" = lookup ] && extra+=(--prompt-lookup true)
            timeout 120 python3 -m lab.engine bench "${big[@]}" "${extra[@]}" --prefill-lengths "" --decode-tokens 256 \
              --concurrency 32 --repeats 3 --reference none --throughput "" --json "$OUT/spec_$mode.json" \
              > "$OUT/spec_$mode.txt" 2>&1; done ;;

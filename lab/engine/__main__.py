@@ -39,7 +39,8 @@ def _bench(ns: argparse.Namespace) -> int:
     cfg = knobs.from_namespace(ns)
     opts = BenchOptions(
         prefill_lengths=[int(x) for x in ns.prefill_lengths.split(",") if x],
-        decode_tokens=ns.decode_tokens, concurrency=ns.concurrency, prompt_tokens=ns.prompt_tokens,
+        decode_tokens=ns.decode_tokens, decode_temperature=ns.decode_temperature, concurrency=ns.concurrency,
+        prompt_tokens=ns.prompt_tokens,
         reference=ns.reference, repeats=ns.repeats, throughput=[int(x) for x in ns.throughput.split(",") if x],
         throughput_tokens=ns.throughput_tokens, reference_prefill_max=ns.reference_prefill_max, json_out=ns.json,
         served=ns.served, server_log=ns.server_log, server_timeout_s=ns.server_timeout)
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "at the end), and the table shows served figures and served / offline.")
     bench.add_argument("--prefill-lengths", default="512,2048", help="comma-separated prompt lengths")
     bench.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode measurement")
+    bench.add_argument("--decode-temperature", type=float, default=0.0,
+                       help="offline decode figures sample at this temperature, seeded per prompt (0 = greedy); "
+                            "on random weights a temperature of 1 makes prompt lookup's drafts miss")
     bench.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for decode measurements")
     bench.add_argument("--concurrency", type=int, default=8, help="sequences for the aggregate decode figure")
     bench.add_argument("--repeats", type=int, default=3, help="repeats per figure (median reported)")

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 class BenchOptions:
     prefill_lengths: list[int] = field(default_factory=lambda: [512, 2048])
     decode_tokens: int = 64
+    decode_temperature: float = 0.0  # > 0: sampled decode (seeded per prompt), e.g. where drafts must miss
     prompt_tokens: int = 128
     concurrency: int = 8
     reference: str = "hf"
@@ -147,11 +148,13 @@ def spec_note(llm: LLM, before: tuple[int, int, int]) -> str:
     return f", prompt lookup: {accepted} of {drafted} drafted tokens accepted in {drafts} drafts"
 
 
-def engine_decode(llm: LLM, prompts: list[list[int]], new_tokens: int, ceilings: Ceilings | None) -> DecodeRun:
+def engine_decode(llm: LLM, prompts: list[list[int]], new_tokens: int, ceilings: Ceilings | None,
+                  temperature: float = 0.0) -> DecodeRun:
     """Run the prompts together; time the steps after every sequence has its first token."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, detokenize=False)
     for i, ids in enumerate(prompts):
+        params = SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=i if temperature else None,
+                                ignore_eos=True, detokenize=False)
         engine.add_request(f"decode-{time.monotonic_ns()}-{i}", ids, params)
     mc, runner = engine.model_config, engine.runner
     weight_elem = torch.empty((), dtype=engine.dtype).element_size()
@@ -443,9 +446,11 @@ def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
     warmup_prompt = prompts(opts.prompt_tokens)
     engine_decode(llm, [warmup_prompt], 8, None)  # warm-up (graphs, allocator)
     before = spec_totals(llm)
-    b1 = [engine_decode(llm, decode_b1_prompts, opts.decode_tokens, ceilings) for _ in range(opts.repeats)]
+    b1 = [engine_decode(llm, decode_b1_prompts, opts.decode_tokens, ceilings, opts.decode_temperature)
+          for _ in range(opts.repeats)]
     b1_spec, before = spec_note(llm, before), spec_totals(llm)
-    bc = [engine_decode(llm, decode_bc_prompts, opts.decode_tokens, ceilings) for _ in range(opts.repeats)]
+    bc = [engine_decode(llm, decode_bc_prompts, opts.decode_tokens, ceilings, opts.decode_temperature)
+          for _ in range(opts.repeats)]
     figures.append(Figure("decode batch 1", "tok/s", ours=_median([r.tok_s for r in b1]),
                           floor_fraction=_median_or_none([r.floor_fraction for r in b1 if r.floor_fraction]),
                           note=f"step {1e3 * _median([r.step_s for r in b1]):.2f} ms{b1_spec}",

@@ -86,9 +86,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.overlap = overlap_enabled(config, self.device)
         if self.drafter is not None and self.overlap:
-            # A draft is read off the sequence's known tokens, which an overlapped step leaves pending.
-            log.info("prompt lookup is on: overlapped decode is off (drafts need every token on the host)")
-            self.overlap = False
+            log.info("prompt lookup is on: decode steps overlap only while no sequence looks for a draft")
         if self.drafter is not None and self.runner.graphs is not None:
             log.info("prompt lookup is on: steps that verify drafts run eagerly, the others replay CUDA graphs")
         self._inflight: InflightStep | None = None
@@ -136,6 +134,8 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         seq.drop_pending()
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
@@ -188,7 +188,9 @@ class LLMEngine:
         return not plan.preempted and all(
             s.num_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens and s.samples
             and s.seq.params.logprobs is None and not s.seq.wants_prompt_logprobs
-            and not s.seq.params.needs_processing for s in plan.scheduled)
+            and not s.seq.params.needs_processing
+            # a draft is read off the sequence's tokens, which an overlapped step leaves pending
+            and (self.drafter is None or not self.drafter.will_look(s.seq)) for s in plan.scheduled)
 
     def _trim_certain_finishers(self, plan: SchedulerOutput) -> None:
         """Leave out of an overlapped step the sequences whose pending token is certain to be
@@ -245,7 +247,7 @@ class LLMEngine:
         plain decode step would, so nothing past a stop is ever emitted."""
         seq = s.seq
         kept = len(verified) - 1
-        self.drafter.counters.record(len(s.draft), kept)  # type: ignore[union-attr]
+        self.drafter.verified(seq, len(s.draft), kept)  # type: ignore[union-attr]
         start = seq.num_computed_tokens
         appended = 0
         for token, lp in verified:
@@ -275,6 +277,8 @@ class LLMEngine:
         return self._finish(seq, out) if out.finished else out
 
     def _finish(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         seq.drop_pending()
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED

@@ -59,6 +59,33 @@ class SpecCounters:
             self.accepted_per_position[i] += 1
 
 
+# A sequence whose last PATIENCE lookups gained nothing (no n-gram recurred, or every drafted
+# token was rejected) stops looking for FIRST_PAUSE output tokens, then twice as long after each
+# further run of misses, up to MAX_PAUSE; an accepted token ends the pause schedule. While every
+# running sequence pauses, decode steps overlap again (drafting needs each token on the host), so
+# text that does not repeat itself costs about one synchronised step and a lookup per pause.
+PATIENCE = 4
+FIRST_PAUSE = 16
+MAX_PAUSE = 1024
+
+
+@dataclass
+class Backoff:
+    """One sequence's lookups that gained nothing in a row, and its pause."""
+    misses: int = 0
+    pause: int = FIRST_PAUSE
+    resume_at: int = 0  # output tokens the sequence must reach before looking again
+
+    def gained(self, accepted: int, outputs: int) -> None:
+        if accepted:
+            self.misses, self.pause = 0, FIRST_PAUSE
+            return
+        self.misses += 1
+        if self.misses >= PATIENCE:
+            self.misses, self.resume_at = 0, outputs + self.pause
+            self.pause = min(2 * self.pause, MAX_PAUSE)
+
+
 class PromptLookup:
     """Proposes the drafts of decoding sequences, capped so that a fully accepted draft plus the
     token sampled after it never passes max_tokens or the context."""
@@ -69,11 +96,32 @@ class PromptLookup:
         self.n_max = config.prompt_lookup_max
         self.max_model_len = max_model_len
         self.counters = SpecCounters()
+        self._backoff: dict[int, Backoff] = {}
+
+    def _room(self, seq: Sequence, budget: int) -> int:
+        p = seq.params
+        return min(self.k, budget, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+
+    def will_look(self, seq: Sequence) -> bool:
+        """Whether `seq`'s next step looks for a draft: then its tokens must all be on the host."""
+        backoff = self._backoff.get(seq.seq_id)
+        return (self._room(seq, self.k) > 0 and drafts_allowed(seq.params)
+                and (backoff is None or seq.num_output_tokens >= backoff.resume_at))
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens for `seq`, at most `budget` of them; `seq` must have no pending tokens."""
-        p = seq.params
-        room = min(self.k, budget, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-        if room <= 0 or not drafts_allowed(p):
+        room = self._room(seq, budget)
+        if room <= 0 or not self.will_look(seq):
             return []
-        return find_draft(seq.token_ids, room, self.n_min, self.n_max)
+        draft = find_draft(seq.token_ids, room, self.n_min, self.n_max)
+        if not draft:
+            self._backoff.setdefault(seq.seq_id, Backoff()).gained(0, seq.num_output_tokens)
+        return draft
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Count a verified draft and feed its outcome to the sequence's backoff."""
+        self.counters.record(drafted, accepted)
+        self._backoff.setdefault(seq.seq_id, Backoff()).gained(accepted, seq.num_output_tokens)
+
+    def forget(self, seq: Sequence) -> None:
+        self._backoff.pop(seq.seq_id, None)

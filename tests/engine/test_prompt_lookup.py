@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from lab.engine.config import ConfigError, EngineConfig
 from lab.engine.llm import LLM
-from lab.engine.prompt_lookup import find_draft
+from lab.engine.prompt_lookup import FIRST_PAUSE, MAX_PAUSE, PATIENCE, Backoff, find_draft
 from lab.engine.rejection_sampler import verify
 from lab.engine.sampling_params import SamplingParams
 from lab.instruments.decode import spec_cells, spec_counters
@@ -53,6 +53,44 @@ def test_knob_errors_are_one_line() -> None:
 @pytest.fixture(scope="module")
 def plain() -> LLM:
     return LLM("smollm2-135m")
+
+
+def test_lookups_that_gain_nothing_pause_for_longer_each_time_until_a_token_is_accepted() -> None:
+    backoff = Backoff()
+    for _ in range(PATIENCE - 1):
+        backoff.gained(0, outputs=10)
+    assert backoff.resume_at == 0
+    backoff.gained(0, outputs=10)
+    assert backoff.resume_at == 10 + FIRST_PAUSE
+    for _ in range(PATIENCE):
+        backoff.gained(0, outputs=40)
+    assert backoff.resume_at == 40 + 2 * FIRST_PAUSE
+    for _ in range(20 * PATIENCE):
+        backoff.gained(0, outputs=100)
+    assert backoff.resume_at == 100 + MAX_PAUSE
+    backoff.gained(2, outputs=200)
+    for _ in range(PATIENCE):
+        backoff.gained(0, outputs=300)
+    assert backoff.resume_at == 300 + FIRST_PAUSE
+
+
+def test_with_overlapped_decode_drafts_still_verify_and_a_pause_lets_steps_overlap() -> None:
+    # Random weights decode greedily into a loop, which prompt lookup drafts in full; sampled at
+    # temperature 1 they never repeat, so lookups gain nothing and back off.
+    prompt = [int(t) for t in np.random.default_rng(0).integers(5, 400, 64)]
+    knobs = {"device": "cpu", "overlap_decode": "on", "max_model_len": 512, "cpu_products": "linear"}
+    plain, spec = LLM("dummy:tiny", **knobs), LLM("dummy:tiny", prompt_lookup=True, **knobs)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    [want], [got] = plain.generate(prompt, greedy), spec.generate(prompt, greedy)
+    assert got.token_ids == want.token_ids
+    assert spec.engine.drafter.counters.accepted_tokens > 0 and spec.engine.counters.steps < 32
+    before = spec.engine.counters.steps, spec.engine.counters.overlapped_steps
+    [sampled] = spec.generate(prompt, SamplingParams(max_tokens=160, temperature=1.0, seed=1, ignore_eos=True))
+    steps, overlapped = (now - was for now, was in zip((spec.engine.counters.steps,
+                                                         spec.engine.counters.overlapped_steps), before))
+    assert len(sampled.token_ids) == 160 and steps == 160
+    assert overlapped > 0.75 * steps
+    assert spec.engine.drafter._backoff == {}  # forgotten when the request finished
 
 
 @pytest.fixture(scope="module")
