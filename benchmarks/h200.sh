@@ -24,7 +24,9 @@
 #   32-stream decode plain and with prompt lookup, sampled (temperature 1) and greedy; tier-restart is
 #   benchmarks/tier_restart.py at 100K tokens; inject3 is benchmarks/ladders/h200-inject3.yaml (10 arms with
 #   a true 3 % slowdown) after a 3-boot calibration, tallied; calibrate is 7 control boots of
-#   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses
+#   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses;
+#   c64ctx calibrates benchmarks/ladders/h200-c64-context.yaml (C64 at 2K context, 4 boots); known-effect
+#   is the GPU test of the injected delay alone
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -77,6 +79,11 @@ for stage in $stages; do
            echo "lab run exit $?"
            python3 -m lab ls --db "$db" "$run"; python3 benchmarks/issue14_verdicts.py "$db" "$run"
            COLUMNS=200 python3 -m lab compare --db "$db" W1ctl I01; } > "$OUT/inject3.txt" 2>&1 ;;
+    c64ctx) # 64-stream decode's boot-to-boot noise with 2,048 tokens of context per stream
+         { timeout 170 python3 -m lab calibrate benchmarks/ladders/h200-c64-context.yaml --boots 4 \
+             --db "$OUT/c64ctx.db" --name "h200-c64ctx-$commit"; echo "lab calibrate exit $?"; } > "$OUT/c64ctx.txt" 2>&1 ;;
+    known-effect) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/lab/test_known_effect.py \
+            > "$OUT/gpu_known_effect.txt" 2>&1 ;;
     calibrate) # 7 control boots of ladders/h200.yaml into .cache/lab/lab-h200.db (carry [".cache/lab"]):
          # the lab stage of the next call runs the ladder into the same store and is judged with them
          mkdir -p .cache/lab
@@ -147,6 +154,6 @@ cat "$OUT/env.txt"
 for f in "$OUT"/*.txt; do [ "$f" = "$OUT/env.txt" ] || [ "$f" = "$OUT/lab.txt" ] || { echo "== $f"; grep -E "figure:|reference|passed|failed|Error" "$f" | cut -c 60-220; }; done
 for f in "$OUT"/attention_fp8.txt "$OUT"/step_profile.txt "$OUT"/attention_prefill.txt; do [ -f "$f" ] && { echo "== $f"; grep -v -i warn "$f" | cut -c 1-120; }; done
 [ -f "$OUT/lab.txt" ] && { echo "== $OUT/lab.txt"; grep -E "KEEP|✓|✗|exit|Error|drift" "$OUT/lab.txt" | cut -c 1-240; }
-for f in "$OUT"/inject3.txt "$OUT"/tier_restart.txt "$OUT"/calibrate.txt; do [ -f "$f" ] && { echo "== $f"; tail -25 "$f" | cut -c 1-240; }; done
+for f in "$OUT"/inject3.txt "$OUT"/tier_restart.txt "$OUT"/calibrate.txt "$OUT"/c64ctx.txt; do [ -f "$f" ] && { echo "== $f"; tail -25 "$f" | cut -c 1-240; }; done
 for f in "$OUT"/spec_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "decode|batch|accept" "$f" | cut -c 1-200; }; done
 true

@@ -19,6 +19,9 @@ params `{level, category}`. Where the engine's `/metrics` counts speculative dec
 `spec_decode_num_accepted_tokens` and friends), the counters' change over the level gives
 `spec_acceptance` and `spec_tokens_per_step`; otherwise those cells are not written.
 
+`context_tokens: N` puts about N tokens of filler text, different for every stream, before each
+question: every decode step then reads N tokens of KV per stream, as in a long conversation.
+
 Streams the client cannot vouch for (chunks that arrived coalesced, or a read later than
 `late_read_ms` after arrival: `Receipt.unvouched`) are counted in every cell built from them (the
 store's `cell.unvouched_streams`, and the note). With `unvouched: exclude` the per-stream figures
@@ -42,7 +45,7 @@ from lab.instruments.client import StreamingClient
 from lab.instruments.decode_prompts import CATEGORIES
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
-from lab.instruments.prompts import chat_messages, request_salt
+from lab.instruments.prompts import chat_messages, estimated_tokens, filler_words, request_salt
 from lab.instruments.receipt import DEFAULT_LATE_READ_MS, Receipt
 from lab.instruments.receipt_checks import failure
 from lab.instruments.token_count import count_missing_usage
@@ -65,6 +68,9 @@ class DecodeParams(PresetParams):
         default_factory=lambda: [1, 2, 4], min_length=1, description="concurrent streams per level")
     max_tokens: conint(ge=2) = Field(  # type: ignore[valid-type]
         16, description="tokens every stream generates (ignore_eos where accepted)")
+    context_tokens: conint(ge=0) = Field(  # type: ignore[valid-type]
+        0, description="each stream's prompt starts with its own filler text of about this many tokens, so every "
+                        "decode step reads that much KV per stream (0: the bare prompts, a few dozen to 250 tokens)")
     late_read_ms: float = Field(DEFAULT_LATE_READ_MS, gt=0, allow_inf_nan=False,
                                 description="a stream read later than this after its bytes arrived is unvouched")
     unvouched: Literal["count", "exclude"] = Field(
@@ -102,7 +108,7 @@ class DecodeInstrument:
 
     def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
         assert isinstance(params, DecodeParams)
-        return {"max_tokens": params.max_tokens + DECODE_PROMPT_TOKENS}
+        return {"max_tokens": params.max_tokens + params.context_tokens + DECODE_PROMPT_TOKENS}
 
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params
@@ -118,8 +124,9 @@ class DecodeInstrument:
                                                   request_salt(ctx.salt, self.name, level), "Hi")})
                 result.receipts.append(probe)
                 eos = "refused" if probe.status == 400 else "honoured"
+            words = await filler_word_count(extras, params.context_tokens) if params.context_tokens else 0
             for run in range(C1_RUNS if level == 1 else 1):
-                payloads = self._payloads(ctx, params, level, run, eos != "refused")
+                payloads = self._payloads(ctx, params, level, run, eos != "refused", words)
                 before = spec_counters(await extras.metrics_text())
                 first = len(result.receipts)
                 result.receipts += await client.run_all(payloads, level)
@@ -131,19 +138,31 @@ class DecodeInstrument:
         return result
 
     def _payloads(self, ctx: BootContext, params: DecodeParams, level: int, run: int,
-                  ignore_eos: bool) -> list[dict[str, Any]]:
+                  ignore_eos: bool, filler: int = 0) -> list[dict[str, Any]]:
         names = list(CATEGORIES)
         payloads = []
         for i in range(level * math.ceil(len(names) / level)):
             prompts = CATEGORIES[names[i % len(names)]]
             salt = request_salt(ctx.salt, self.name, level, run, i)
+            question = prompts[i // len(names) % len(prompts)]
+            if filler:  # the stream's own text, so no two streams share a cached prefix
+                question = " ".join(filler_words(salt, filler)) + "\n\n" + question
             payload: dict[str, Any] = {
                 "model": ctx.model, "max_tokens": params.max_tokens, "temperature": 0,
-                "messages": chat_messages(salt, prompts[i // len(names) % len(prompts)])}
+                "messages": chat_messages(salt, question)}
             if ignore_eos:
                 payload["ignore_eos"] = True
             payloads.append(payload)
         return payloads
+
+
+async def filler_word_count(extras: EngineExtras, tokens: int) -> int:
+    """How many filler words make about `tokens` tokens: the engine's count of a sample when it has a
+    tokenizer route, else the characters-per-token estimate."""
+    sample = " ".join(filler_words("decode-context", 1000))
+    ids = await extras.tokenize(prompt=sample)
+    per_word = (len(ids) if ids is not None else estimated_tokens(sample)) / 1000
+    return max(1, round(tokens / per_word))
 
 
 def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_tokens: int,

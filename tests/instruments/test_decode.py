@@ -48,6 +48,21 @@ def test_aggregate_rises_from_c1_to_c4_with_every_category_at_every_level(bench)
 
 
 @pytest.mark.slow
+def test_context_tokens_give_every_stream_its_own_long_prompt(bench) -> None:
+    stored = bench.measure(DecodeInstrument(), {"levels": [2], "max_tokens": 4, "context_tokens": 150},
+                           salt="decode-context")
+    cell = stored.cell("agg_tok_s", level=2)
+    assert cell.valid, cell.note
+    requests = stored.requests_of(cell)
+    # About 150 tokens of filler before each question (which adds up to about 250 more), and no
+    # two streams share more than the chat template's opening.
+    assert all(150 <= r.prompt_tokens <= 150 * 1.1 + 250 for r in requests), [r.prompt_tokens for r in requests]
+    assert all(r.cached_tokens == 0 for r in requests)
+    texts = [r.payload["messages"][1]["content"] for r in requests]
+    assert len({t[:200] for t in texts}) == len(texts)
+
+
+@pytest.mark.slow
 def test_a_dead_engine_is_a_step_error(bench) -> None:
     stored = bench.measure(DecodeInstrument(), {"levels": [2]}, salt="decode-dead", base_url=dead_url())
     (step,) = stored.steps

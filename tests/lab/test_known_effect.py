@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from lab.engine.config import ConfigError, from_sources
+from lab.engine.known_cost import KnownCost
 from lab.engine.llm import LLM
 from lab.engine.sampling_params import SamplingParams
 
@@ -42,14 +44,26 @@ def test_an_impossible_delay_is_refused(value: str) -> None:
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_delay_lands_on_the_device_even_with_overlapped_decode() -> None:
-    # A host sleep would hide behind the device while overlapped decode keeps a step queued;
-    # the spin kernel cannot, so each step costs at least the delay.
-    delay_ms = 2.0
-    plain = LLM("dummy:tiny", device="cuda", overlap_decode="on", max_model_len=256)
-    slowed = LLM("dummy:tiny", device="cuda", overlap_decode="on", inject_step_delay_ms=delay_ms, max_model_len=256)
-    decode_seconds(plain), decode_seconds(slowed)  # compile and capture first
-    base, _ = decode_seconds(plain)
-    seconds, steps = decode_seconds(slowed)
-    assert slowed.engine.counters.overlapped_steps > 0
-    assert seconds - base >= 0.9 * (steps - 1) * delay_ms / 1000
+def test_on_a_gpu_the_delay_lands_on_the_device_where_a_host_sleep_would_hide() -> None:
+    # Batch-1 decode of an 8B shape: the device's step (about 4 ms) is longer than the host's, so
+    # with overlapped decode a host sleep shorter than the slack costs nothing; the spin cannot hide.
+    delay_ms, tokens = 1.0, 64
+    llm = LLM("dummy:llama3-8b", device="cuda", dtype="bfloat16", overlap_decode="on", max_model_len=512,
+              cuda_graph_max_batch_size=1)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+
+    def seconds(cost: KnownCost) -> float:
+        llm.engine.known_cost = cost
+        start = time.perf_counter()
+        llm.generate([1, 2, 3, 4], params)
+        return time.perf_counter() - start
+
+    seconds(KnownCost(0, torch.device("cuda")))  # warm-up
+    base = min(seconds(KnownCost(0, torch.device("cuda"))) for _ in range(3))
+    spin = KnownCost(delay_ms, torch.device("cuda"))
+    assert spin.cycles > 0
+    spun = min(seconds(spin) for _ in range(3))
+    slept = min(seconds(KnownCost(delay_ms, torch.device("cpu"))) for _ in range(3))
+    assert llm.engine.counters.overlapped_steps > 0
+    assert spun - base >= 0.9 * (tokens - 1) * delay_ms / 1000
+    assert slept - base < 0.5 * (tokens - 1) * delay_ms / 1000
