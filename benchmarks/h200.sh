@@ -118,7 +118,8 @@ for stage in $stages; do
          { if [ ! -f .cache/lab/lab-h200.db ]; then
              timeout 170 python3 -m lab calibrate ladders/h200.yaml --boots 3 --db "$OUT/lab-h200.db" --name "$run-calibration"
              echo "lab calibrate exit $?"; fi
-           timeout 400 python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
+           limit=400; [ -f .cache/lab/lab-h200.db ] && limit=540
+           timeout $limit python3 -m lab run ladders/h200.yaml --db "$OUT/lab-h200.db" --name "$run"
            echo "lab run exit $?"
            kill $dmon
            python3 -m lab ls --db "$OUT/lab-h200.db" "$run"
