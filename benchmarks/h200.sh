@@ -43,6 +43,7 @@ stages=${*:-bf16 fp8 tests kernels smollm2}
 big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-batched-tokens 8192
      --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --throughput-tokens 1024)
 for stage in $stages; do
+  ls "$OUT" > /tmp/h200-before.txt
   case $stage in
     bf16) timeout 330 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
             --concurrency 32 --repeats 2 --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" \
@@ -150,11 +151,12 @@ for stage in $stages; do
             --throughput-tokens 1024 --json "$OUT/smollm2_bf16.json" > "$OUT/smollm2_bf16.txt" 2>&1 ;;
   esac
   echo "$stage exit $?" >> "$OUT/env.txt"
+  # A device call returns at most 8 files: a stage that wrote several leaves them as one archive.
+  mapfile -t made < <(ls "$OUT" | grep -vxF -f /tmp/h200-before.txt)
+  for f in "${made[@]}"; do case $f in *.txt) echo "== $stage: $f"
+    grep -E "figure:|│ (decode|prefill)|passed|failed|Error|exit|reject|keep|inconclusive|resume|TTFT|ttft" "$OUT/$f" \
+      | grep -v -i warn | tail -40 | cut -c 1-220 ;; esac; done
+  if [ "${#made[@]}" -gt 1 ]; then tar czf "$OUT/$stage.tgz" -C "$OUT" "${made[@]}" && (cd "$OUT" && rm -f "${made[@]}"); fi
 done
 cat "$OUT/env.txt"
-for f in "$OUT"/*.txt; do [ "$f" = "$OUT/env.txt" ] || [ "$f" = "$OUT/lab.txt" ] || { echo "== $f"; grep -E "figure:|reference|passed|failed|Error" "$f" | cut -c 60-220; }; done
-for f in "$OUT"/attention_fp8.txt "$OUT"/step_profile.txt "$OUT"/attention_prefill.txt; do [ -f "$f" ] && { echo "== $f"; grep -v -i warn "$f" | cut -c 1-120; }; done
-[ -f "$OUT/lab.txt" ] && { echo "== $OUT/lab.txt"; grep -E "KEEP|✓|✗|exit|Error|drift" "$OUT/lab.txt" | cut -c 1-240; }
-for f in "$OUT"/inject3.txt "$OUT"/tier_restart.txt "$OUT"/calibrate.txt "$OUT"/c64ctx.txt; do [ -f "$f" ] && { echo "== $f"; tail -25 "$f" | cut -c 1-240; }; done
-for f in "$OUT"/spec_*.txt; do [ -f "$f" ] && { echo "== $f"; grep -E "decode|batch|accept" "$f" | cut -c 1-200; }; done
 true
