@@ -265,7 +265,8 @@ def test_overlapped_decode_server_burst_and_hangups(tmp_path) -> None:
                             if got == 3:
                                 break
                     return got
-                bodies = [{"prompt": p, "max_tokens": 40, "ignore_eos": True, "temperature": 0} for p in prompts]
+                # 5 blocks each (54 prompt tokens + 24): twelve need 60 of the 32 blocks, so it preempts.
+                bodies = [{"prompt": p, "max_tokens": 24, "ignore_eos": True, "temperature": 0} for p in prompts]
                 done = asyncio.gather(*[c.post(f"{s.url}/v1/completions", json=b) for b in bodies])
                 gone = asyncio.gather(*[hang_up(i) for i in range(10)])
                 return await done, await gone
@@ -276,5 +277,5 @@ def test_overlapped_decode_server_burst_and_hangups(tmp_path) -> None:
         assert (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0)
         assert stats["preemptions"] > 0 and stats["overlapped_steps"] > 0
     offline = LLM(MODEL, max_model_len=512).generate(
-        prompts, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+        prompts, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0))
     assert [r.json()["choices"][0]["text"] for r in responses] == [c.text for c in offline]
