@@ -109,6 +109,9 @@ class EngineProcess:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         last = "no answer yet"
+        # Retries start fast and back off to poll_s: a small engine listens within a fraction of a
+        # second, and a boot should not wait out a whole interval after it.
+        pause_s = min(0.05, poll_s)
         with httpx.Client(headers=headers) as client:
             while True:
                 status = self.exit_status()
@@ -128,7 +131,8 @@ class EngineProcess:
                     last = f"{type(exc).__name__}"
                 if on_poll:
                     on_poll(self.elapsed_s(), last)
-                time.sleep(poll_s)
+                time.sleep(pause_s)
+                pause_s = min(2 * pause_s, poll_s)
 
     def get_json(self, url: str, api_key: str | None = None, timeout_s: float = 30.0) -> tuple[int, Any]:
         """(status, parsed JSON or None); (0, None) when nothing answered."""

@@ -51,9 +51,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     qi, ki, vi = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if lq == lk:
         out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+    elif q.device.type == "cpu":
+        # The mask PyTorch's CausalBias builds on the CPU (its flash and efficient paths are CUDA's),
+        # built here: importing torch.nn.attention.bias pulls in torch._dynamo, seconds of the first
+        # prefix-cache hit of every boot.
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
     else:
-        # Imported here: the module pulls in torch._dynamo, seconds of every boot that never needs it
-        # (the CUDA path attends to a prefix in lab.engine.chunk_attention).
+        # Imported here for the same reason (the CUDA path attends to a prefix in
+        # lab.engine.chunk_attention).
         from torch.nn.attention.bias import causal_lower_right
 
         out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(lq, lk), scale=scale,

@@ -231,17 +231,17 @@ def test_fifty_disconnecting_clients_leave_no_blocks(server) -> None:
 
 
 def test_burst_beyond_the_kv_pool_completes_through_preemption(tmp_path) -> None:
-    # 32 blocks x 16 = 512 tokens: room for about four of these requests at once.
+    # 32 blocks x 16 = 512 tokens: room for about six of these requests (5 blocks each) at once.
     with engine_server(tmp_path, "--max-model-len", "512", "--num-kv-blocks", "32") as s:
         async def main() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=300) as c:
-                bodies = [{"prompt": f"Request {i}: " + "tell me about the sea. " * 8, "max_tokens": 48,
+                bodies = [{"prompt": f"Request {i}: " + "tell me about the sea. " * 8, "max_tokens": 24,
                            "ignore_eos": True, "temperature": 0} for i in range(16)]
                 return await asyncio.gather(*[c.post(f"{s.url}/v1/completions", json=b) for b in bodies])
 
         responses = asyncio.run(main())
         assert [r.status_code for r in responses] == [200] * 16
-        assert all(r.json()["usage"]["completion_tokens"] == 48 for r in responses)
+        assert all(r.json()["usage"]["completion_tokens"] == 24 for r in responses)
         stats = s.stats()
         assert stats["preemptions"] > 0 and stats["blocks_in_use"] == 0
 
@@ -265,7 +265,8 @@ def test_overlapped_decode_server_burst_and_hangups(tmp_path) -> None:
                             if got == 3:
                                 break
                     return got
-                bodies = [{"prompt": p, "max_tokens": 40, "ignore_eos": True, "temperature": 0} for p in prompts]
+                # 5 blocks each (54 prompt tokens + 24): twelve need 60 of the 32 blocks, so it preempts.
+                bodies = [{"prompt": p, "max_tokens": 24, "ignore_eos": True, "temperature": 0} for p in prompts]
                 done = asyncio.gather(*[c.post(f"{s.url}/v1/completions", json=b) for b in bodies])
                 gone = asyncio.gather(*[hang_up(i) for i in range(10)])
                 return await done, await gone
@@ -276,5 +277,5 @@ def test_overlapped_decode_server_burst_and_hangups(tmp_path) -> None:
         assert (stats["running"], stats["waiting"], stats["blocks_in_use"]) == (0, 0, 0)
         assert stats["preemptions"] > 0 and stats["overlapped_steps"] > 0
     offline = LLM(MODEL, max_model_len=512).generate(
-        prompts, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+        prompts, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0))
     assert [r.json()["choices"][0]["text"] for r in responses] == [c.text for c in offline]

@@ -35,7 +35,7 @@ LADDER = """\
           - {name: A1seqs4, flags: {max-num-seqs: 4}}
           - {name: A2seqs8, flags: {max-num-seqs: 8}}
     instruments:
-      ping: {steps: 3, delay_s: 1.0}
+      ping: {steps: 3, delay_s: 0.5}  # A2's two steps after its first leave the test a second to add the kernel
       memory:
     keep:
       metrics: [memory.peak_memory_gib]

@@ -33,7 +33,7 @@ LADDER = f"""\
     instruments:
       prefill: {{lengths: [100, 700], reps: 1}}
       needle: {{lengths: [256], depths: [0.5]}}
-      decode: {{levels: [1, 2], max_tokens: {DECODE_TOKENS}}}
+      decode: {{levels: [2], max_tokens: {DECODE_TOKENS}}}  # the KEEP rule's level: eight streams, two at a time
       mixed: {{long_tokens: 600, delay_s: 0.01}}
       qeval: {{per_category: 1}}
       agreement: {{prompts: 2, max_tokens: 8}}

@@ -27,7 +27,7 @@ TUNE = """\
     name: pgtune
     engine:
       kind: bundled
-      model: smollm2-135m
+      model: dummy:tiny  # what is tested is the shared study, not the model
       flags: {device: cpu, max-model-len: 128, kv-cache-memory-bytes: 16777216, max-num-seqs: 4}
     space:
       - {flag: kv-cache-memory-bytes, int: {low: 8388608, high: 33554432, log: true}}
