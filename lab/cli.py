@@ -368,7 +368,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_confirmation(out, tune, result) -> None:  # rich Console, TuneFile, lab.tune.confirm.Confirmation
+def _print_confirmation(out, tune, result) -> None:  # rich Console, TuneFile, lab.tune.confirmation.Confirmation
     from rich.table import Table
 
     table = Table("arm", "trial", "params", *(f"{o.metric} trial → confirmed (moved)" for o in tune.objectives),
