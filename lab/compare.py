@@ -35,11 +35,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
-from sqlalchemy import func, select
 
 from lab import keep, verdicts
 from lab.stats import median_of_repeats, noise_band, paired_counts, ratio_summary, relative_delta
-from lab.store import models as m
 from lab.store import reader
 from lab.store.db import Store
 
@@ -179,7 +177,7 @@ def resolve(store: Store, ref: str, latest: int | None = None) -> tuple[int, str
 
 
 def compare(store: Store, a_ref: str, b_ref: str) -> Comparison:
-    latest = _latest_run(store)
+    latest = reader.latest_run_id(store)
     (a_run, a_arm), (b_run, b_arm) = resolve(store, a_ref, latest), resolve(store, b_ref, latest)
     runs = {run_id: verdicts.load(store, run_id) for run_id in (a_run, b_run)}
     for evidence in runs.values():
@@ -209,11 +207,6 @@ def compare(store: Store, a_ref: str, b_ref: str) -> Comparison:
                      "measured is shown, and nothing is judged")
     return Comparison(a=a, b=b, threshold_pct=threshold, rows=rows, quality=_quality(store, a, b),
                       verdicts=verdicts_by_side, notes=notes)
-
-
-def _latest_run(store: Store) -> int | None:
-    with store.session() as s:
-        return s.scalar(select(func.max(m.Run.id)))
 
 
 def _verdict(side: Side, judged: dict[str, keep.Verdict]) -> dict[str, Any] | None:
@@ -376,12 +369,10 @@ def _qeval(store: Store, a: Side, b: Side) -> dict[str, Any] | None:
 
 def _qeval_items(store: Store, side: Side) -> tuple[verdicts.SlotCells | None, dict[str, bool]]:
     """The first warm finished boot of the side with qeval items (a control's opening one first)."""
-    with store.session() as s:
-        for slot in side.slots:
-            rows = s.execute(select(m.QevalItem.task, m.QevalItem.passed)
-                             .where(m.QevalItem.slot_id == slot.id)).tuples().all()
-            if rows:
-                return slot, {task: bool(passed) for task, passed in rows}
+    for slot in side.slots:
+        passes = reader.qeval_passes(store, slot.id)
+        if passes:
+            return slot, passes
     return None, {}
 
 

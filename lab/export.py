@@ -16,16 +16,16 @@ from typing import Any
 
 import pandas as pd
 
-from lab.report.data import tables
 from lab.store import reader
 from lab.store.db import Store
+from lab.store.frames import run_tables
 
 
 
 def export_run(store: Store, ref: str, fmt: str, out: str | Path = "exports") -> Path:
     """Write the run's tables under `out/<run name>/` and return that directory."""
     run = reader.find_run(store, ref)
-    frames = tables(store, run.id)
+    frames = run_tables(store, run.id)
     directory = Path(out) / run.name.replace("/", "_")
     directory.mkdir(parents=True, exist_ok=True)
     if fmt == "json":

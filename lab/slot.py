@@ -22,12 +22,14 @@ from lab.arms.render import Plan
 from lab.fingerprint import engine_version
 from lab.hygiene import wait_for_memory
 from lab.instruments import capabilities
-from lab.instruments.base import BootContext, Cell, Instrument, StepResult
+from lab.instruments.base import BootContext, Instrument
 from lab.instruments.receipt import Receipt
 from lab.mem_sampler import MemSampler
 from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store
+from lab.store.records import Cell, StepResult
+from lab.store.stored_rows import StoredRows
 
 log = logging.getLogger("lab.run")
 # How long an engine gets to show its exit after a step whose requests failed (see alive_after).
@@ -251,7 +253,7 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
                           run_id=rc.run_id, run_name=rc.run_name, slot_id=slot.id, boot_id=boot_id,
                           arm=slot.arm.name, window=slot.window, role=slot.role,  # type: ignore[arg-type]
                           position=slot.position, salt=salt,  # type: ignore[arg-type]
-                          engine_kind=rc.ladder.engine.kind, params=params, store=rc.store,
+                          engine_kind=rc.ladder.engine.kind, params=params, stored=StoredRows(rc.store),
                           control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
                           log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps)
         refused = capabilities.refusal(name, caps)

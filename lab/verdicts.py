@@ -23,8 +23,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sqlalchemy import select
-
 from lab import keep
 from lab.arms.ladder import Ladder
 from lab.arms.validate import parse_ladder
@@ -347,40 +345,34 @@ def key_figure_missing(store: Store, run_id: int) -> str | None:
 
 def load(store: Store, run_id: int) -> RunEvidence:
     """Read a run's ladder, arms, slots, boots and cells."""
-    with store.session() as s:
-        run = s.get_one(m.Run, run_id)
-        ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
-        arms = s.scalars(select(m.Arm).where(m.Arm.run_id == run_id).order_by(m.Arm.id)).all()
-        slots = s.scalars(select(m.Slot).where(m.Slot.run_id == run_id).order_by(m.Slot.idx)).all()
-        cells = s.scalars(select(m.Cell).join(m.Slot, m.Cell.slot_id == m.Slot.id)
-                          .where(m.Slot.run_id == run_id).order_by(m.Cell.id)).all()
-        boots = s.scalars(select(m.Boot).where(m.Boot.run_id == run_id).order_by(m.Boot.slot_id, m.Boot.attempt)).all()
-        arm_names = {a.id: a.name for a in arms}
-        by_slot: dict[int, list[StoredCell]] = {}
-        for c in cells:
-            by_slot.setdefault(c.slot_id, []).append(StoredCell(c.instrument, c.metric, dict(c.params), c.repeat,
-                                                                c.value, c.unit, c.valid, c.boot_id,
-                                                                c.note or ""))
-        boots_of: dict[int, list[m.Boot]] = {}
-        for b in boots:
-            boots_of.setdefault(b.slot_id, []).append(b)
-        stored = []
-        for slot in slots:
-            slot_cells = tuple(by_slot.get(slot.id, ()))
-            slot_boots = boots_of.get(slot.id, [])
-            producing = {c.boot_id for c in slot_cells}
-            last = slot_boots[-1] if slot_boots else None
-            reason = None
-            if last is not None and last.reason:
-                reason = last.reason.strip().splitlines()[0][:_REASON_CHARS]
-            stored.append(SlotCells(
-                id=slot.id, idx=slot.idx, arm=arm_names[slot.arm_id], role=slot.role, position=slot.position,
-                window=slot.window, status=slot.status, boot_statuses=tuple(b.status for b in slot_boots),
-                reason=reason, cold=any(b.cold for b in slot_boots if b.id in producing), cells=slot_cells))
-        ladder_name, run_name = run.ladder_name, run.name
-    return RunEvidence(run_id, run_name, ladder, rule_spec(ladder), stored,
-                       {a.name: (a.role, a.window) for a in arms}, metric_directions(ladder),
-                       _noise(store, ladder_name, run_id))
+    rows = reader.run_rows(store, run_id)
+    run = rows.run
+    ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
+    arm_names = {a.id: a.name for a in rows.arms}
+    by_slot: dict[int, list[StoredCell]] = {}
+    for c in rows.cells:
+        by_slot.setdefault(c.slot_id, []).append(StoredCell(c.instrument, c.metric, dict(c.params), c.repeat,
+                                                            c.value, c.unit, c.valid, c.boot_id,
+                                                            c.note or ""))
+    boots_of: dict[int, list[m.Boot]] = {}
+    for b in rows.boots:
+        boots_of.setdefault(b.slot_id, []).append(b)
+    stored = []
+    for slot in rows.slots:
+        slot_cells = tuple(by_slot.get(slot.id, ()))
+        slot_boots = boots_of.get(slot.id, [])
+        producing = {c.boot_id for c in slot_cells}
+        last = slot_boots[-1] if slot_boots else None
+        reason = None
+        if last is not None and last.reason:
+            reason = last.reason.strip().splitlines()[0][:_REASON_CHARS]
+        stored.append(SlotCells(
+            id=slot.id, idx=slot.idx, arm=arm_names[slot.arm_id], role=slot.role, position=slot.position,
+            window=slot.window, status=slot.status, boot_statuses=tuple(b.status for b in slot_boots),
+            reason=reason, cold=any(b.cold for b in slot_boots if b.id in producing), cells=slot_cells))
+    return RunEvidence(run_id, run.name, ladder, rule_spec(ladder), stored,
+                       {a.name: (a.role, a.window) for a in rows.arms}, metric_directions(ladder),
+                       _noise(store, run.ladder_name, run_id))
 
 
 def _noise(store: Store, ladder_name: str, run_id: int) -> dict[str, keep.Noise]:

@@ -11,12 +11,12 @@ import pytest
 from rich.console import Console
 
 from lab import compare
-from lab.instruments.base import Cell
 from lab.instruments.needle import NeedleInstrument
 from lab.instruments.qeval import QevalInstrument
 from lab.report import tables
 from lab.report.data import load
 from lab.store.db import open_store
+from lab.store.records import Cell
 from lab.verdicts import judge_run
 from tests.engine.server_process import engine_server
 from tests.instruments.speed_boot import ENGINE_FLAGS, SpeedBench, Stored

@@ -8,11 +8,11 @@ from sqlalchemy.exc import IntegrityError
 
 from lab.arms.render import plan
 from lab.arms.validate import parse_ladder
-from lab.instruments.base import Cell, Step, StepResult
 from lab.instruments.receipt import Receipt, TokenLogprob
 from lab.store import models as m
 from lab.store import writer
 from lab.store.db import StoreError, open_store, resolve_url
+from lab.store.records import Cell, Step, StepResult
 
 LADDER = """\
 name: s

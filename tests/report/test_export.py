@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from lab.export import export_run
-from lab.instruments.base import Cell
+from lab.store.records import Cell
 from lab.verdicts import judge_run
 from tests.report.conftest import Boot, build_run, lab_cli
 

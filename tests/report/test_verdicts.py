@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from lab.instruments.base import Cell
 from lab.store import models as m
+from lab.store.records import Cell
 from lab.verdicts import judge_run
 from tests.report.conftest import LADDER, Boot, build_run
 
