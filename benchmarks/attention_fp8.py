@@ -13,8 +13,8 @@ import importlib
 import sys
 
 import torch
+from kernels import bench_kernels as bk
 
-from lab.engine.kernels import bench_kernels as bk
 from lab.engine.kernels import decode_attention
 
 FP8 = torch.float8_e4m3fn

@@ -53,7 +53,8 @@ for stage in $stages; do
             > "$OUT/llama3_8b_fp8.txt" 2>&1 ;;
     tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
             tests/engine/test_kernels.py tests/engine/test_kernel_gemv.py > "$OUT/gpu_tests.txt" 2>&1 ;;
-    kernels) { timeout 90 python3 -m lab.engine.kernels.bench_gemv; timeout 90 python3 -m lab.engine.kernels.bench_kernels; } \
+    kernels) { timeout 90 python3 benchmarks/kernels/bench_gemv.py;
+            timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
     attn-prefill) { timeout 240 python3 benchmarks/attention_prefill.py;
             timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_chunk_attention.py \

@@ -19,7 +19,7 @@ from lab.store.records import Step, StepResult
 from lab.store.stored_rows import StoredRows
 
 if TYPE_CHECKING:
-    from lab.mem_sampler import MemSampler
+    from lab.runner.mem_sampler import MemSampler
 
 Better = Literal["higher", "lower"]
 

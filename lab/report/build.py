@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab import history_page, verdicts
-from lab.arms.validate import parse_ladder
+from lab.analysis import verdicts
+from lab.ladder.validate import parse_ladder
+from lab.report import history_page
 from lab.report import document as doc
 from lab.report import tables
 from lab.report.data import RunData, load

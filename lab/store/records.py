@@ -59,7 +59,7 @@ class StepResult:
 
 
 class PlannedArm(Protocol):
-    """An arm as the run plan states it (lab.arms.render.ArmSpec)."""
+    """An arm as the run plan states it (lab.ladder.render.ArmSpec)."""
 
     name: str
     role: str
@@ -73,7 +73,7 @@ class PlannedArm(Protocol):
 
 
 class PlannedSlot(Protocol):
-    """A planned boot (lab.arms.render.SlotSpec)."""
+    """A planned boot (lab.ladder.render.SlotSpec)."""
 
     idx: int
     arm: str
@@ -83,7 +83,7 @@ class PlannedSlot(Protocol):
 
 
 class RunPlan(Protocol):
-    """The plan a run is created with (lab.arms.render.Plan)."""
+    """The plan a run is created with (lab.ladder.render.Plan)."""
 
     @property
     def arms(self) -> Sequence[PlannedArm]: ...

@@ -17,9 +17,9 @@ import optuna
 import yaml
 from rich.console import Console
 
-from lab.arms import render
-from lab.arms.validate import parse_ladder
-from lab.run import create_from_text, execute
+from lab.ladder import render
+from lab.ladder.validate import parse_ladder
+from lab.runner.run import create_from_text, execute
 from lab.store import reader
 from lab.store.db import Store
 from lab.tune import confirmation

@@ -10,8 +10,8 @@ from typing import Any
 
 import optuna
 
-from lab import verdicts
-from lab.stats import median_of_repeats
+from lab.analysis import verdicts
+from lab.analysis.stats import median_of_repeats
 from lab.store import reader
 from lab.store.db import Store
 from lab.tune.spec import TuneFile

@@ -14,15 +14,15 @@ import httpx
 import pytest
 import torch
 
-from lab.engine.loader import load_model
-from lab.engine.model_config import PRESETS
-from lab.engine.tokenizer import Tokenizer
-from lab.engine.tokenizer_dummy import dummy_tokenizer
+from lab.engine.model.model_config import PRESETS
+from lab.engine.weights.loader import load_model
+from lab.engine.weights.tokenizer import Tokenizer
+from lab.engine.weights.tokenizer_dummy import dummy_tokenizer
 from lab.instruments.base import BootContext
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.prefill import PrefillParams
 from lab.instruments.prompts import PAD_WORDS, filler_words, fit_prompt, salt_line
-from lab.mem_sampler import MemSampler
+from lab.runner.mem_sampler import MemSampler
 from lab.store.db import open_store
 from lab.store.stored_rows import StoredRows
 from tests.engine.server_process import ServerProcess, engine_server

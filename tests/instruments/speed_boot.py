@@ -1,6 +1,6 @@
 """The speed instruments' test bench: one real engine server and a real SQLite store (the `bench`
 fixture of tests/instruments/conftest.py), with each measurement run step by step and written
-through the store's writer the way `lab run` does it (lab/slot.py), so tests read back exactly
+through the store's writer the way `lab run` does it (lab/runner/slot.py), so tests read back exactly
 what a run would have stored."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 from sqlalchemy import select
 
-from lab.arms.render import plan
-from lab.arms.validate import parse_ladder
 from lab.instruments.base import BootContext, Instrument
-from lab.mem_sampler import MemSampler
+from lab.ladder.render import plan
+from lab.ladder.validate import parse_ladder
+from lab.runner.mem_sampler import MemSampler
 from lab.store import models as m
 from lab.store import writer
 from lab.store.db import Store

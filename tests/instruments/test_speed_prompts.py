@@ -19,7 +19,7 @@ from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.prefill import PrefillParams
 from lab.instruments.prompts import (PromptTooShort, estimated_tokens, filler_words, fit, fit_prompt, request_salt,
                                      salt_line)
-from lab.mem_sampler import MemSampler
+from lab.runner.mem_sampler import MemSampler
 from lab.store.db import open_store
 from lab.store.stored_rows import StoredRows
 from tests.engine.server_process import free_port

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from lab.engine.config import ConfigError, from_sources
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.config import ConfigError, from_sources
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 
 TOKENS = 12
 DELAY_MS = 40.0

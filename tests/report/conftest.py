@@ -18,9 +18,9 @@ import pytest
 import yaml
 from sqlalchemy import select
 
-from lab.arms.ladder import Ladder
-from lab.arms.render import plan
-from lab.arms.validate import load_ladder, parse_ladder
+from lab.ladder.ladder import Ladder
+from lab.ladder.render import plan
+from lab.ladder.validate import load_ladder, parse_ladder
 from lab.store import models as m
 from lab.store import writer
 from lab.store.db import Store, open_store

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from lab.compare import CompareError, compare
+from lab.analysis.compare import CompareError, compare
 from lab.store import models as m
 from lab.store.db import open_store
 from lab.store.records import Cell
