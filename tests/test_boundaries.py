@@ -1,10 +1,13 @@
 """The import boundaries that keep the layers apart: the engine never imports the lab, instruments
-never import the engine (they speak HTTP), and only the store talks to the database, needing
-nothing of the lab above it. Checked on every module's import statements."""
+never import the engine (they speak HTTP), only the store talks to the database and it needs
+nothing of the lab above it, and analysis and reports never reach into the runner. Checked on every
+module's import statements."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,20 @@ def test_only_the_store_talks_to_the_database(path: Path) -> None:
 def test_the_store_imports_nothing_of_the_lab_above_it(path: Path) -> None:
     outside = {m for m in imported_modules(path) if m.startswith("lab") and not m.startswith("lab.store")}
     assert not outside, f"{path.relative_to(LAB)} imports {sorted(outside)}"
+
+
+@pytest.mark.parametrize("path", sorted([*(LAB / "analysis").rglob("*.py"), *(LAB / "report").rglob("*.py")]),
+                         ids=lambda p: str(p.relative_to(LAB)))
+def test_analysis_and_reports_do_not_import_the_runner(path: Path) -> None:
+    runner = {m for m in imported_modules(path) if m == "lab.runner" or m.startswith("lab.runner.")}
+    assert not runner, f"{path.relative_to(LAB)} imports {sorted(runner)}"
+
+
+def test_the_engine_api_imports_without_the_server_and_its_config_without_torch() -> None:
+    code = ("import sys; import lab.engine; assert 'torch' not in sys.modules, 'torch'; "
+            "from lab.engine import LLM, EngineConfig, SamplingParams; "
+            "assert LLM.__name__ == 'LLM' and EngineConfig().max_num_seqs > 0 and SamplingParams().max_tokens; "
+            "loaded = [m for m in ('fastapi', 'uvicorn', 'lab.engine.serve.server') if m in sys.modules]; "
+            "assert not loaded, loaded")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
