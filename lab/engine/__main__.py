@@ -36,6 +36,10 @@ def _serve(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     from lab.engine.tools.bench import BenchOptions, ServerError, run_bench
 
+    if ns.reference == "hf" and not _has_transformers():
+        print("lab engine bench: error: --reference hf needs transformers: pip install -e '.[bench]', "
+              "or pass --reference none", file=sys.stderr)
+        return 2
     cfg = knobs.from_namespace(ns)
     opts = BenchOptions(
         prefill_lengths=[int(x) for x in ns.prefill_lengths.split(",") if x],
@@ -48,6 +52,14 @@ def _bench(ns: argparse.Namespace) -> int:
     except ServerError as exc:
         print(f"lab engine bench: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401  (the `bench` extra)
+    except ImportError:
+        return False
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
