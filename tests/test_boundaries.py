@@ -70,3 +70,10 @@ def test_the_engine_api_imports_without_the_server_and_its_config_without_torch(
             "assert not loaded, loaded")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_reference_attention_path_and_the_kernels_shared_constants_load_without_triton() -> None:
+    code = ("import sys; import lab.engine.model.attention, lab.engine.kernels.cache_dtypes; "
+            "assert 'triton' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

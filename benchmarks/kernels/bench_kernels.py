@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from lab.engine.kernels import decode_attention, prefill_attention
-from lab.engine.kernels.decode_attention import num_splits_for
+from lab.engine.kernels.decode_attention import decode_attention, num_splits_for
+from lab.engine.kernels.prefill_attention import prefill_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_BATCHES = (1, 64, 256)

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from lab.engine.core.attention_metadata import AttentionMetadata, build_metadata
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 from lab.engine.model import layers
-from lab.engine.model.attention import FP8_DTYPES, TorchAttention
+from lab.engine.model.attention import TorchAttention
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -220,7 +221,7 @@ def check_padding_rows(device: str = "cpu", seed: int = 0) -> dict[str, Any]:
 def check_rms_norm(num_tokens: int, hidden: int, dtype: str = "float32", weight_dtype: str | None = None,
                    with_residual: bool = True, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """kernels.rms_norm against layers.rms_norm (normed output and the new residual)."""
-    from lab.engine.kernels import rms_norm
+    from lab.engine.kernels.rmsnorm import rms_norm
 
     gen = torch.Generator(device=device).manual_seed(seed)
     x = _randn(gen, num_tokens, hidden).to(_dtype(dtype))
@@ -243,7 +244,7 @@ def check_silu_and_mul(num_tokens: int, inter: int, dtype: str = "float32", seed
                        device: str = "cpu") -> dict[str, Any]:
     """kernels.silu_and_mul against layers.silu_and_mul, on gate | up with gates out to +-12 (where
     SiLU saturates and underflows), into a NaN-poisoned output."""
-    from lab.engine.kernels import silu_and_mul
+    from lab.engine.kernels.silu_mul import silu_and_mul
 
     gen = torch.Generator(device=device).manual_seed(seed)
     gate_up = (4 * _randn(gen, num_tokens, 2 * inter)).clamp(-12, 12).to(_dtype(dtype))
@@ -269,7 +270,7 @@ def check_rope_kv_write(num_tokens: int, num_heads: int, num_kv_heads: int, head
     kv_write stores it), on q, k, v that are views of one fused qkv product. The caches are
     NaN-poisoned; this step's slots are scattered over them and every other slot must keep its
     poison bytes."""
-    from lab.engine.kernels import rope_and_write_kv
+    from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.model.attention import write_kv
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -363,8 +364,7 @@ def check_num_splits(shapes: list[list[int]], bounds_for: list[list[int]] = ()) 
     """choose_num_splits for (batch, num_kv_heads, max_context_len, num_sms[, programs_per_sm[,
     tile]]) shapes; and split_context_bounds over the same heuristic for (batch, num_kv_heads,
     max_model_len, num_sms, programs_per_sm, tile) in `bounds_for`, with each bound's split count."""
-    from lab.engine.kernels import choose_num_splits
-    from lab.engine.kernels.decode_attention import split_context_bounds
+    from lab.engine.kernels.decode_attention import choose_num_splits, split_context_bounds
 
     bounds = []
     for batch, kv_heads, max_model_len, sms, per_sm, tile in bounds_for:

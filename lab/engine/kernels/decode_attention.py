@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 from lab.engine.kernels.paged_tiles import attend_tiles, dot_in_fp16, dot_precision
-from lab.engine.model.attention import FP8_DTYPES
 
 # Fewest KV tokens worth a split of their own: below this the merge costs more than it hides.
 MIN_TOKENS_PER_SPLIT = 64

@@ -53,9 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 from lab.engine.kernels.rmsnorm import rms_norm
 from lab.engine.kernels.rope_kv_write import rope_and_write_kv, to_cache
-from lab.engine.model.attention import FP8_DTYPES
 
 MAX_ROWS = 16
 # Largest tile grid that split-K supports: one counter per N tile.

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.engine.core.attention_metadata import AttentionMetadata
-
-FP8_DTYPES = (torch.float8_e4m3fn,)
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 
 
 class AttentionBackend(Protocol):

@@ -9,9 +9,12 @@ from bisect import bisect_left
 import torch
 
 from lab.engine.core.attention_metadata import AttentionMetadata
-from lab.engine.kernels import decode_attention, prefill_attention, write_kv_cache
-from lab.engine.kernels.decode_attention import MAX_SPLITS, num_splits_for, split_context_bounds
-from lab.engine.model.attention import FP8_DTYPES, gather_context
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
+from lab.engine.kernels.decode_attention import (MAX_SPLITS, decode_attention, num_splits_for,
+                                                split_context_bounds)
+from lab.engine.kernels.kv_write import write_kv_cache
+from lab.engine.kernels.prefill_attention import prefill_attention
+from lab.engine.model.attention import gather_context
 from lab.engine.model.chunk_attention import CHUNK_BACKEND, PREFIX_BACKEND, chunk_attention
 
 logger = logging.getLogger(__name__)
