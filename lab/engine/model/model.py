@@ -7,7 +7,7 @@ layout is the one measured fastest on the host for its shape and row count (`cpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -35,7 +35,9 @@ class LayerWeights:
 class Ops:
     """The kernels a model uses beside its attention; the defaults (`layers`, `F.linear`) are the
     reference. A backend may add kernels for decode-sized products (`skinny_*`, used for products
-    of at most `skinny_rows` rows) and one that applies RoPE and writes the KV cache together."""
+    of at most `skinny_rows` rows) and one that applies RoPE and writes the KV cache together; on
+    the CPU, `linear` is the host's measured product layouts (`cpu_linear`)."""
+    linear: Callable = F.linear  # (x, w, bias) -> x @ w.T + bias
     rms_norm: Callable = layers.rms_norm
     silu_and_mul: Callable = layers.silu_and_mul
     apply_rope_rows: Callable = layers.apply_rope_rows
@@ -88,10 +90,9 @@ class Model:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.cpu_linear: CpuLinear | None = None
         if self.on_cpu and cpu_products == "measured":
-            self.cpu_linear = CpuLinear.for_model([(lw.qkv, lw.o, lw.gate_up, lw.down) for lw in self.layers],
-                                                  [self.lm_head])
+            self.ops = replace(self.ops, linear=CpuLinear.for_model(
+                [(lw.qkv, lw.o, lw.gate_up, lw.down) for lw in self.layers], [self.lm_head]))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -100,7 +101,7 @@ class Model:
         if ops.skinny_linear is not None and rows <= ops.skinny_rows:
             y = ops.skinny_linear(x, w, out_dtype=out_dtype)
             return y.add_(bias) if bias is not None else y
-        y = F.linear(x, w, bias) if self.cpu_linear is None else self.cpu_linear(x, w, bias)
+        y = ops.linear(x, w, bias)
         return y if out_dtype is None else y.to(out_dtype)
 
     # The residual stream is carried as (hidden, residual). On the reference path a block's output
