@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.engine.core import prompt_logprobs
 from lab.engine.core.block_manager import BlockManager
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.kv_tiers import build_tiers
@@ -217,13 +218,7 @@ class LLMEngine:
                 continue
             samples = s.samples  # read before num_computed_tokens moves on
             if seq.wants_prompt_logprobs and seq.seq_id in result.prompt_logprobs:
-                # After a preemption the prompt is recomputed; keep the first copy of each position.
-                # A chunk starting at 0 covers positions 0.., a later one start+1.. (position
-                # `start` was predicted by the previous chunk's last row).
-                have = len(seq.prompt_logprobs)
-                start = seq.num_computed_tokens
-                first_pos = 0 if start == 0 else start + 1
-                seq.prompt_logprobs.extend(result.prompt_logprobs[seq.seq_id][max(0, have - first_pos):])
+                prompt_logprobs.keep(seq, seq.num_computed_tokens, result.prompt_logprobs[seq.seq_id])
             seq.num_computed_tokens += s.num_tokens
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.counters.prompt_tokens += s.num_tokens

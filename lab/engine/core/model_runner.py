@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lab.engine.core import rejection_sampler, sampler
+from lab.engine.core import prompt_logprobs, rejection_sampler, sampler
 from lab.engine.core.attention_metadata import AttentionMetadata, build_metadata
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.cuda_graphs import DecodeGraphs
@@ -265,7 +265,7 @@ class ModelRunner:
             seq, n = s.seq, s.num_tokens
             start = seq.num_computed_tokens
             if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens:
-                result.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(seq, start, n, logits[row:row + n])
+                result.prompt_logprobs[seq.seq_id] = prompt_logprobs.of_chunk(seq, start, n, logits[row:row + n])
                 if s.samples:
                     sample_rows.append(row + n - 1)
                     sample_seqs.append(s)
@@ -303,14 +303,3 @@ class ModelRunner:
             chosen = torch.tensor(tokens, dtype=torch.long, device=rows.device)
             lps = list(sampler.logprobs_of(rows[:len(tokens)], chosen, [seq.params.logprobs] * len(tokens)))
         result.verified[seq.seq_id] = list(zip(tokens, lps))
-
-    def _prompt_logprobs(self, seq, start: int, n: int, logits: torch.Tensor) -> list[TokenLogprob | None]:
-        """Logprob of each prompt token given the tokens before it; the first prompt token has none."""
-        out: list[TokenLogprob | None] = [None] if start == 0 else []
-        # Row j predicts token at position start + j + 1; only prompt positions count here.
-        last = min(start + n, seq.num_prompt_tokens - 1)
-        if last > start:
-            targets = torch.tensor(seq.token_ids[start + 1:last + 1], device=logits.device)
-            out.extend(sampler.logprobs_of(logits[: last - start], targets,
-                                           [seq.params.prompt_logprobs] * (last - start)))
-        return out
