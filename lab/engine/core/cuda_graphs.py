@@ -60,13 +60,13 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.src_rows = torch.full((n,), -1, dtype=torch.long, device=device)
         # Pinned staging buffers, one host-to-device copy per buffer per step, in two sets used
-        # alternately: with overlapped decode the host fills step N+1's set while step N's copies
-        # may still be queued, and step N-1 (the last user of the other set) has finished.
+        # alternately (`run`'s parity): with overlapped decode the host fills step N+1's set while
+        # step N's copies may still be queued, and step N-1 (the last user of the other set) has
+        # finished.
         pin = device.type == "cuda"
         self.host_rows = torch.zeros((2, 4, n), dtype=torch.long, pin_memory=pin)
         self.host_context = torch.zeros((2, n), dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros((2, n, self.max_blocks), dtype=torch.int32, pin_memory=pin)
-        self.parity = 0
         # Keyed by (batch size, context bound).
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -120,18 +120,18 @@ class DecodeGraphs:
         return bounds[min(bisect.bisect_left(bounds, context), len(bounds) - 1)]
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+    def run(self, parity: int, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             prev_tokens: torch.Tensor | None = None, src_rows: list[int] | None = None) -> torch.Tensor:
-        """Logits [n, vocab] of one decode step of n sequences (each one new token at `positions`).
-        With `prev_tokens`, row i whose `src_rows[i]` is not -1 takes its input token from
-        `prev_tokens[src_rows[i]]` on the device (a token sampled by a step not yet read back)."""
+        """Logits [n, vocab] of one decode step of n sequences (each one new token at `positions`),
+        staged through buffer set `parity` (the runner's step parity). With `prev_tokens`, row i
+        whose `src_rows[i]` is not -1 takes its input token from `prev_tokens[src_rows[i]]` on the
+        device (a token sampled by a step not yet read back)."""
         n = len(input_ids)
         bs = self.batch_size_for(n)
         assert bs is not None, f"decode batch {n} exceeds the largest captured graph {self.max_batch}"
         bsz = self.block_size
-        p = self.parity
-        self.parity ^= 1
-        host_rows, host_context, host_tables = self.host_rows[p], self.host_context[p], self.host_tables[p]
+        host_rows, host_context, host_tables = self.host_rows[parity], self.host_context[parity], \
+            self.host_tables[parity]
         rows = host_rows.numpy()
         rows[0, :n] = input_ids
         pos = np.asarray(positions, dtype=np.int64)

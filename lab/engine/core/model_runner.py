@@ -137,8 +137,10 @@ class ModelRunner:
             self.graphs.capture()
         if device.type == "cuda" and self.attention.name == "triton":
             self.attention.warm_up(*self.kv_layers[0], self.null_block, mc.num_heads, dtype)
-        # Two sets of pinned buffers for sampled tokens, used alternately by overlapped decode
-        # steps: step N+1 copies into one while the host has yet to read step N's from the other.
+        # Two sets of pinned buffers for sampled tokens (and, in the graphs, for each step's
+        # inputs), used alternately by consecutive steps: with overlapped decode step N+1 fills
+        # one set while step N may still be copying from, or into, the other. One parity for both,
+        # flipped by every step that uses them (`_next_parity`).
         rows = max(config.max_num_seqs, 1)
         pin = device.type == "cuda"
         self._host_tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
@@ -212,8 +214,8 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and len(scheduled) <= graphs.max_batch and all(s.num_tokens == 1 for s in scheduled):
             seqs = [s.seq for s in scheduled]
-            logits = graphs.run([q.token_ids[-1] for q in seqs], [q.num_tokens - 1 for q in seqs],
-                                [q.block_table for q in seqs])
+            logits = graphs.run(self._next_parity(), [q.token_ids[-1] for q in seqs],
+                                [q.num_tokens - 1 for q in seqs], [q.block_table for q in seqs])
             return self._postprocess(scheduled, logits)
         ids, pos, meta, logit_rows = self.prepare(scheduled)
         hidden = self.model.forward(ids, pos, meta, self.kv_layers)
@@ -228,9 +230,10 @@ class ModelRunner:
         seqs = [s.seq for s in scheduled]
         src = [prev.rows[q.seq_id] if q.num_pending else -1 for q in seqs] if prev is not None else None
         host_ids = [q.last_known_token if not q.num_pending else 0 for q in seqs]
+        parity = self._next_parity()
         graphs = self.graphs
         if graphs is not None and len(seqs) <= graphs.max_batch:
-            logits = graphs.run(host_ids, [q.num_tokens - 1 for q in seqs], [q.block_table for q in seqs],
+            logits = graphs.run(parity, host_ids, [q.num_tokens - 1 for q in seqs], [q.block_table for q in seqs],
                                 prev.tokens if prev is not None else None, src)
         else:
             ids, pos, meta, _ = self.prepare(scheduled)
@@ -239,8 +242,7 @@ class ModelRunner:
                 ids = torch.where(src_t >= 0, prev.tokens.index_select(0, src_t.clamp(min=0)), ids)
             logits = self.model.logits(self.model.forward(ids, pos, meta, self.kv_layers))
         tokens = sampler.sample(logits, [q.params for q in seqs], [q.generator for q in seqs])
-        host = self._host_tokens[self._parity][:len(seqs)]
-        self._parity ^= 1
+        host = self._host_tokens[parity][:len(seqs)]
         event = None
         if self.device.type == "cuda":
             host.copy_(tokens, non_blocking=True)
@@ -249,6 +251,11 @@ class ModelRunner:
         else:
             host.copy_(tokens)
         return InflightStep(seqs, tokens, host, event, {q.seq_id: i for i, q in enumerate(seqs)})
+
+    def _next_parity(self) -> int:
+        parity = self._parity
+        self._parity ^= 1
+        return parity
 
     def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> StepResult:
         result = StepResult()
