@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # lab/runner/fingerprint.py -> the checkout
 # Engines and libraries whose version changes what a boot measures.
 PACKAGES = ("torch", "triton", "transformers", "tokenizers", "vllm", "sglang", "llama_cpp_python", "flashinfer-python")
 
