@@ -13,9 +13,9 @@ import importlib
 import sys
 
 import torch
+from kernels import bench_kernels as bk
 
-from lab.engine.kernels import bench_kernels as bk
-from lab.engine.kernels import decode_attention
+from lab.engine.kernels.decode_attention import decode_attention
 
 FP8 = torch.float8_e4m3fn
 SHAPES = [(FP8, 256, 1536, None), (FP8, 64, 4096, None), (FP8, 32, 2048, None), (FP8, 1, 1024, 131072),

@@ -18,8 +18,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from lab.engine.attention import causal_attention
-from lab.engine.chunk_attention import attention_lse, chunk_attention
+from lab.engine.model.attention import causal_attention
+from lab.engine.model.chunk_attention import attention_lse, chunk_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

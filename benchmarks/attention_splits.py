@@ -7,8 +7,7 @@ captured per context bound (cuda_graphs).
     python benchmarks/attention_splits.py
 """
 import torch
-
-from lab.engine.kernels.bench_kernels import DecodeCase
+from kernels.bench_kernels import DecodeCase
 
 CONFIGS = {
     "n128w4s2": None,

@@ -91,7 +91,8 @@ for stage in $stages; do
          { timeout 560 python3 -m lab calibrate ladders/h200.yaml --boots 7 --db .cache/lab/lab-h200.db \
              --name "h200-$commit-calibration7"; echo "lab calibrate exit $?"; } > "$OUT/calibrate.txt" 2>&1
          cp .cache/lab/lab-h200.db "$OUT/lab-h200-calibration.db" ;;
-    kernels) { timeout 90 python3 -m lab.engine.kernels.bench_gemv; timeout 90 python3 -m lab.engine.kernels.bench_kernels; } \
+    kernels) { timeout 90 python3 benchmarks/kernels/bench_gemv.py;
+            timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
     attn-prefill) { timeout 240 python3 benchmarks/attention_prefill.py;
             timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_chunk_attention.py \

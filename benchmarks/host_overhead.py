@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 
 
 def host_ms_per_step(num_seqs: int, prompt_tokens: int = 512, steps: int = 40) -> float:

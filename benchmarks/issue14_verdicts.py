@@ -10,9 +10,9 @@ from __future__ import annotations
 import collections
 import sys
 
+from lab.analysis.verdicts import judge_run
 from lab.store import reader
 from lab.store.db import open_store
-from lab.verdicts import judge_run
 
 
 def main(db: str, run: str) -> None:

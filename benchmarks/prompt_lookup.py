@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 from lab.instruments.decode_prompts import CATEGORIES
 
 

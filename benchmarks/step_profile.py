@@ -13,9 +13,9 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lab.engine.config import from_sources
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.config import from_sources
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 
 # Kernel-name fragments, first match wins: what each part of a step is.
 PARTS = [("attention", ("_decode_split", "_decode_merge")), ("gemv", ("_skinny",)),

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from lab.boot import EngineProcess, child_env, free_port
+from lab.runner.boot import EngineProcess, child_env, free_port
 
 SETTINGS = ("off", "file")
 

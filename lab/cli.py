@@ -31,12 +31,12 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from lab.arms import render
-    from lab.arms.validate import load_ladder
-    from lab.listing import print_plan
-    from lab.run import create, execute, resume
+    from lab.analysis.verdicts import key_figure_missing
+    from lab.ladder import render
+    from lab.ladder.validate import load_ladder
+    from lab.report.listing import print_plan
+    from lab.runner.run import create, execute, resume
     from lab.store.db import open_store
-    from lab.verdicts import key_figure_missing
 
     console = _console()
     if bool(args.ladder) == bool(args.resume):
@@ -78,8 +78,8 @@ def _calibrate_args(parser: argparse.ArgumentParser) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from lab import calibrate
-    from lab.run import execute
+    from lab.runner import calibrate
+    from lab.runner.run import execute
     from lab.store.db import open_store
 
     console = _console()
@@ -112,7 +112,7 @@ def _ls_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from lab.listing import print_run, print_runs
+    from lab.report.listing import print_run, print_runs
     from lab.store.db import open_store
 
     store = open_store(args.db, create=False)
@@ -133,7 +133,7 @@ def _schema_args(parser: argparse.ArgumentParser) -> None:
 def cmd_schema(args: argparse.Namespace) -> int:
     import json
 
-    from lab.arms.ladder import json_schema
+    from lab.ladder.ladder import json_schema
 
     text = json.dumps(json_schema(), indent=2) + "\n"
     if args.output:
@@ -154,7 +154,7 @@ def _compare_args(parser: argparse.ArgumentParser) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     import json
 
-    from lab.compare import compare, print_comparison
+    from lab.analysis.compare import compare, print_comparison
     from lab.store.db import open_store
 
     store = open_store(args.db, create=False)
@@ -209,7 +209,7 @@ def _export_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from lab.export import export_run
+    from lab.report.export import export_run
     from lab.store.db import open_store
 
     store = open_store(args.db, create=False)
@@ -233,8 +233,8 @@ def _sweep_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from lab import sweep
-    from lab.run import execute
+    from lab.runner import sweep
+    from lab.runner.run import execute
     from lab.store.db import open_store
 
     console = _console()
@@ -262,7 +262,7 @@ def _history_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from lab.history import load, resolve
+    from lab.report.history import load, resolve
     from lab.store import reader
     from lab.store.db import open_store
 
@@ -280,7 +280,7 @@ def cmd_history(args: argparse.Namespace) -> int:
         store.close()
     _print_history(out, history)
     if args.html:
-        from lab.history_page import write
+        from lab.report.history_page import write
 
         out.print(f"history page written to {write(history, args.html)}", highlight=False)
     if not args.check:
@@ -293,7 +293,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 1 if regressions else 0
 
 
-def _print_history(out, history) -> None:  # rich Console, lab.history.History
+def _print_history(out, history) -> None:  # rich Console, lab.report.history.History
     from rich.table import Table
 
     out.print(f"series {history.series} (KEEP threshold {history.threshold_pct:g} %)", highlight=False)
@@ -333,9 +333,9 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
+    from lab.store.db import open_store
     from lab.tune import confirm, study
     from lab.tune.spec import json_schema, load_tune
-    from lab.store.db import open_store
 
     if args.schema:
         sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
@@ -368,7 +368,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_confirmation(out, tune, result) -> None:  # rich Console, TuneFile, lab.tune.confirm.Confirmation
+def _print_confirmation(out, tune, result) -> None:  # rich Console, TuneFile, lab.tune.confirmation.Confirmation
     from rich.table import Table
 
     table = Table("arm", "trial", "params", *(f"{o.metric} trial → confirmed (moved)" for o in tune.objectives),
@@ -399,7 +399,7 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lab.serve_best import choose, exec_engine
+    from lab.runner.serve_best import choose, exec_engine
     from lab.store.db import open_store
 
     store = open_store(args.db, create=False)
@@ -483,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _setup_logging(args.verbose)
-    from lab.arms.errors import LadderError
-    from lab.run import RunError
-    from lab.slot import Interrupted
+    from lab.ladder.errors import LadderError
+    from lab.runner.run import RunError
+    from lab.runner.slot import Interrupted
     from lab.store.db import StoreError
 
     try:

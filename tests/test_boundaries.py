@@ -1,9 +1,13 @@
-"""The design's two import boundaries: the engine never imports the lab, and instruments never
-import the engine (they speak HTTP). Checked on every module's import statements."""
+"""The import boundaries that keep the layers apart: the engine never imports the lab, instruments
+never import the engine (they speak HTTP), only the store talks to the database and it needs
+nothing of the lab above it, and analysis and reports never reach into the runner. Checked on every
+module's import statements."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,3 +35,45 @@ def test_engine_imports_nothing_of_the_lab(path: Path) -> None:
 def test_instruments_do_not_import_the_engine(path: Path) -> None:
     engine = {m for m in imported_modules(path) if m.startswith("lab.engine")}
     assert not engine, f"{path.relative_to(LAB)} imports {sorted(engine)}"
+
+
+def _lab_modules() -> list[Path]:
+    return sorted(LAB.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _lab_modules(), ids=lambda p: str(p.relative_to(LAB)))
+def test_only_the_store_talks_to_the_database(path: Path) -> None:
+    if path.is_relative_to(LAB / "store"):
+        return
+    sql = {m for m in imported_modules(path) if m.split(".")[0] == "sqlalchemy"}
+    assert not sql, f"{path.relative_to(LAB)} imports {sorted(sql)}: queries belong in lab/store"
+
+
+@pytest.mark.parametrize("path", sorted((LAB / "store").rglob("*.py")), ids=lambda p: str(p.relative_to(LAB)))
+def test_the_store_imports_nothing_of_the_lab_above_it(path: Path) -> None:
+    outside = {m for m in imported_modules(path) if m.startswith("lab") and not m.startswith("lab.store")}
+    assert not outside, f"{path.relative_to(LAB)} imports {sorted(outside)}"
+
+
+@pytest.mark.parametrize("path", sorted([*(LAB / "analysis").rglob("*.py"), *(LAB / "report").rglob("*.py")]),
+                         ids=lambda p: str(p.relative_to(LAB)))
+def test_analysis_and_reports_do_not_import_the_runner(path: Path) -> None:
+    runner = {m for m in imported_modules(path) if m == "lab.runner" or m.startswith("lab.runner.")}
+    assert not runner, f"{path.relative_to(LAB)} imports {sorted(runner)}"
+
+
+def test_the_engine_api_imports_without_the_server_and_its_config_without_torch() -> None:
+    code = ("import sys; import lab.engine; assert 'torch' not in sys.modules, 'torch'; "
+            "from lab.engine import LLM, EngineConfig, SamplingParams; "
+            "assert LLM.__name__ == 'LLM' and EngineConfig().max_num_seqs > 0 and SamplingParams().max_tokens; "
+            "loaded = [m for m in ('fastapi', 'uvicorn', 'lab.engine.serve.server') if m in sys.modules]; "
+            "assert not loaded, loaded")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_reference_attention_path_and_the_kernels_shared_constants_load_without_triton() -> None:
+    code = ("import sys; import lab.engine.model.attention, lab.engine.kernels.cache_dtypes; "
+            "assert 'triton' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

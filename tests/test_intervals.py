@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from lab.effects import Noise, interpolate, interval, log_effects, repeats_needed
-from lab.keep import ArmEvidence, BootValues, Decision, KeepRule, KeyMetric, MetricStatus, judge
+from lab.analysis.effects import Noise, interpolate, interval, log_effects, repeats_needed
+from lab.analysis.keep import ArmEvidence, BootValues, Decision, KeepRule, KeyMetric, MetricStatus, judge
 
 DECODE = KeyMetric("decode.agg_tok_s[level=4]", higher_is_better=True)
 TTFT = KeyMetric("mixed.short_ttft_behind_s", higher_is_better=False)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lab.keep import (ArmEvidence, BootValues, Decision, GateResult, KeepRule, KeyMetric, MetricStatus, Verdict,
-                      judge)
+from lab.analysis.keep import (ArmEvidence, BootValues, Decision, GateResult, KeepRule, KeyMetric, MetricStatus,
+                               Verdict, judge)
 
 DECODE = KeyMetric("decode_c4_tok_s", higher_is_better=True)
 PREFILL = KeyMetric("prefill_8k_tok_s", higher_is_better=True)

@@ -1,4 +1,4 @@
-"""lab.stats against hand-computed values, scipy, and properties that must hold for any input."""
+"""lab.analysis.stats against hand-computed values, scipy, and properties that must hold for any input."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from lab.stats import (PairedCounts, bootstrap_ratio_of_medians, mann_whitney, mcnemar_exact, median_of_repeats,
-                       min_reachable_p, noise_band, paired_counts, relative_delta)
+from lab.analysis.stats import (PairedCounts, bootstrap_ratio_of_medians, mann_whitney, mcnemar_exact,
+                                median_of_repeats, min_reachable_p, noise_band, paired_counts, relative_delta)
 
 counts = st.integers(min_value=0, max_value=60)
 positive = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False)

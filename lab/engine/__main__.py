@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from lab.engine import config as knobs
+from lab.engine.core import config as knobs
 
 log = logging.getLogger("lab.engine")
 
@@ -15,8 +15,8 @@ log = logging.getLogger("lab.engine")
 def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from lab.engine.async_engine import build_engine
-    from lab.engine.server import Server, build_app
+    from lab.engine.serve.async_engine import build_engine
+    from lab.engine.serve.server import Server, build_app
 
     cfg = knobs.from_namespace(ns)
     log.info("effective config %s hash=%s", json.dumps(cfg.to_dict(), sort_keys=True), cfg.hash)
@@ -34,8 +34,12 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from lab.engine.bench import BenchOptions, ServerError, run_bench
+    from lab.engine.tools.bench import BenchOptions, ServerError, run_bench
 
+    if ns.reference == "hf" and not _has_transformers():
+        print("lab engine bench: error: --reference hf needs transformers: pip install -e '.[bench]', "
+              "or pass --reference none", file=sys.stderr)
+        return 2
     cfg = knobs.from_namespace(ns)
     opts = BenchOptions(
         prefill_lengths=[int(x) for x in ns.prefill_lengths.split(",") if x],
@@ -49,6 +53,14 @@ def _bench(ns: argparse.Namespace) -> int:
     except ServerError as exc:
         print(f"lab engine bench: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401  (the `bench` extra)
+    except ImportError:
+        return False
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from lab.engine.loader import ModelLoadError
+    from lab.engine.weights.loader import ModelLoadError
 
     try:
         return ns.func(ns)

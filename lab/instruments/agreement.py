@@ -46,11 +46,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.base import Better, BootContext
 from lab.instruments.client import StreamingClient
 from lab.instruments.opening_control import is_opening_control, load_reference
 from lab.instruments.receipt import Receipt
 from lab.store import models as m
+from lab.store.records import Cell, Step, StepResult
 
 # (id, prompt): short and varied, so the set exercises prose, code, numbers, lists and structure.
 PROMPTS: tuple[tuple[str, str], ...] = (

@@ -3,22 +3,23 @@
 The runner stores each step's cells, receipts and qeval items in one transaction keyed by
 (boot slot, instrument, step key). A resumed run asks the instrument for the same plan and runs only
 the steps not yet stored for that slot, so `plan` must return the same keys for the same params.
-Instruments speak HTTP to the engine; they never import it and never write to the store themselves.
+Instruments speak HTTP to the engine; they never import it and never write to the store themselves:
+what they read of it comes through `BootContext.stored`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel
 
-from lab.instruments.receipt import Receipt
+from lab.store.records import Step, StepResult
+from lab.store.stored_rows import StoredRows
 
 if TYPE_CHECKING:
-    from lab.mem_sampler import MemSampler
-    from lab.store.db import Store
+    from lab.runner.mem_sampler import MemSampler
 
 Better = Literal["higher", "lower"]
 
@@ -30,44 +31,6 @@ NOT_APPLICABLE = "not applicable: "
 def random_weights_note(model: str) -> str:
     """Why an answer-scoring cell is not applicable on an engine that serves random weights."""
     return f"{NOT_APPLICABLE}the engine serves random weights ({model}), so answers carry no knowledge"
-
-
-@dataclass(frozen=True)
-class Step:
-    key: str  # unique within the instrument's plan, stable across calls: "len=2048/rep=2"
-    params: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Cell:
-    metric: str
-    value: float | None
-    unit: str
-    params: dict[str, Any] = field(default_factory=dict)
-    repeat: int = 0
-    valid: bool = True
-    note: str = ""
-    requests: list[int] | None = None  # indexes into StepResult.receipts; None = all of the step's
-
-
-@dataclass
-class QevalItem:
-    task: str
-    passed: bool
-    score: float | None = None
-    category: str = ""
-    scorer: str = ""
-    output: str | None = None
-    expected: str | None = None
-    request: int | None = None  # index into StepResult.receipts
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StepResult:
-    cells: list[Cell] = field(default_factory=list)
-    receipts: list[Receipt] = field(default_factory=list)
-    items: list[QevalItem] = field(default_factory=list)
 
 
 @dataclass
@@ -89,7 +52,7 @@ class BootContext:
     salt: str  # unique per run and boot: prefix prompts with it so no boot is served from another's cache
     engine_kind: Literal["bundled", "command"]
     params: BaseModel  # this instrument's validated ladder section
-    store: "Store"  # read-only use: earlier boots' rows for paired instruments
+    stored: StoredRows  # read-only: this slot's and the opening control's stored rows
     control_boot_ids: list[int]  # warm control boots of this window measured before this one
     mem: "MemSampler"  # host MemAvailable sampled since the engine started
     log: logging.Logger

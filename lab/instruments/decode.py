@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Literal
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field, conint, field_validator
 
-from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.base import Better, BootContext
 from lab.instruments.client import StreamingClient
 from lab.instruments.decode_prompts import CATEGORIES
 from lab.instruments.engine_extras import EngineExtras
@@ -49,6 +49,7 @@ from lab.instruments.prompts import chat_messages, estimated_tokens, filler_word
 from lab.instruments.receipt import DEFAULT_LATE_READ_MS, Receipt
 from lab.instruments.receipt_checks import failure
 from lab.instruments.token_count import count_missing_usage
+from lab.store.records import Cell, Step, StepResult
 
 C1_RUNS = 2
 # A bound on the chat-templated decode prompts' length, for checking a ladder against a context.

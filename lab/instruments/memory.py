@@ -13,8 +13,9 @@ from typing import Any, ClassVar
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.base import Better, BootContext
 from lab.instruments.receipt import Receipt
+from lab.store.records import Cell, Step, StepResult
 
 GIB = 1024**3
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, confloat, conint
 
-from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.base import Better, BootContext
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
@@ -27,6 +27,7 @@ from lab.instruments.prompts import PromptTooShort, chat_messages, filler_words,
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import failure, prefill_problem
 from lab.instruments.token_count import count_missing_usage
+from lab.store.records import Cell, Step, StepResult
 
 SHORT_QUESTION = "In two or three sentences, why do leaves change colour in autumn?"
 ALONE = ("short_ttft_alone_s", "short_e2e_alone_s")

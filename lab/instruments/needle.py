@@ -38,10 +38,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, confloat, conint, field_validator
-from sqlalchemy import select
 
-from lab.instruments.base import (NOT_APPLICABLE, Better, BootContext, Cell, Step, StepResult,
-                                  random_weights_note)
+from lab.instruments.base import NOT_APPLICABLE, Better, BootContext, random_weights_note
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.memory import stats_receipt
@@ -51,7 +49,7 @@ from lab.instruments.prompts import (Messages, PromptTooShort, chat_messages, fi
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import failure, prefill_problem, prefill_tok_s
 from lab.instruments.resident import ResidentSessions
-from lab.store import models as m
+from lab.store.records import Cell, Step, StepResult
 
 # One token each in the common BPE vocabularies, and none of them in the filler's word lists.
 ADJECTIVES = ("silver", "golden", "copper", "purple", "orange", "yellow", "green", "blue", "pink", "violet",
@@ -195,9 +193,7 @@ class NeedleInstrument:
     def _summary(self, ctx: BootContext, planned: int, metric: str, key: str) -> StepResult:
         """The found rate over every `metric` cell this slot stored (an earlier attempt of a resumed
         slot included); not applicable when every one of them is."""
-        with ctx.store.session() as s:
-            cells = s.scalars(select(m.Cell).where(m.Cell.slot_id == ctx.slot_id, m.Cell.instrument == self.name,
-                                                   m.Cell.metric == metric)).all()
+        cells = ctx.stored.slot_cells(ctx.slot_id, self.name, metric)
         if cells and all(c.note.startswith(NOT_APPLICABLE) for c in cells):
             return StepResult(cells=[Cell(key, None, "fraction", valid=False, note=cells[0].note, requests=[])])
         answered = [c.value for c in cells if c.valid and c.value is not None]

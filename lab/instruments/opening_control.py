@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
-
 from lab.instruments.base import BootContext
 from lab.store import models as m
 
@@ -39,16 +37,9 @@ def load_reference(ctx: BootContext, instrument: str) -> Reference:
     if not ctx.control_boot_ids:
         return Reference(None, problem=f"no warm control of window {ctx.window} was measured before this boot")
     boot_id = ctx.control_boot_ids[0]
-    with ctx.store.session() as s:
-        slot_id = s.get_one(m.Boot, boot_id).slot_id
-        steps = s.scalars(select(m.Step).where(m.Step.slot_id == slot_id, m.Step.instrument == instrument)
-                          .order_by(m.Step.id)).all()
-        ok = [step.id for step in steps if step.status == "ok"]
-        if not ok:
-            failed = "; ".join(f"{step.key}: {step.error}" for step in steps)
-            why = f"its {instrument} step failed ({failed})" if steps else f"it stored no {instrument} step"
-            return Reference(boot_id, problem=f"the opening control (boot {boot_id}) has no reference: {why}")
-        items = s.scalars(select(m.QevalItem).where(m.QevalItem.step_id.in_(ok)).order_by(m.QevalItem.id)).all()
-        requests = s.scalars(select(m.Request).where(m.Request.step_id.in_(ok))
-                             .order_by(m.Request.step_id, m.Request.idx)).all()
-        return Reference(boot_id, items=list(items), requests=list(requests))
+    rows = ctx.stored.boot_slot_steps(boot_id, instrument)
+    if not any(step.status == "ok" for step in rows.steps):
+        failed = "; ".join(f"{step.key}: {step.error}" for step in rows.steps)
+        why = f"its {instrument} step failed ({failed})" if rows.steps else f"it stored no {instrument} step"
+        return Reference(boot_id, problem=f"the opening control (boot {boot_id}) has no reference: {why}")
+    return Reference(boot_id, items=rows.items, requests=rows.requests)

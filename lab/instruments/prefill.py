@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, conint, field_validator
 
-from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.base import Better, BootContext
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
@@ -30,6 +30,7 @@ from lab.instruments.prompts import PromptTooShort, filler_words, fit_prompt, re
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import cache_note, prefill_problem, prefill_tok_s
 from lab.instruments.token_count import count_missing_usage
+from lab.store.records import Cell, Step, StepResult
 
 # Below this a prompt is mostly its salt.
 MIN_LENGTH = 32

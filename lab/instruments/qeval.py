@@ -26,7 +26,7 @@ count at 0.05), so set `max_broke: 0` where numerics must not change at all.
 
 On an engine that serves random weights (`/v1/stats` says so) no request is sent: every cell of the
 step is invalid with a "not applicable: ..." note, since answers from random weights carry no
-knowledge to score. A ladder cannot key its KEEP rule on them there (`lab.arms.validate`).
+knowledge to score. A ladder cannot key its KEEP rule on them there (`lab.ladder.validate`).
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lab.instruments.base import Better, BootContext, Cell, QevalItem, Step, StepResult, random_weights_note
+from lab.analysis.stats import paired_counts
+from lab.instruments.base import Better, BootContext, random_weights_note
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.opening_control import is_opening_control, load_reference
 from lab.instruments.qeval_task import QevalTask, load_tasks, task_set_hash
 from lab.instruments.scoring import Score, score, validate_tasks
-from lab.stats import paired_counts
+from lab.store.records import Cell, QevalItem, Step, StepResult
 
 # Tasks per category that the default `quick` preset runs (24 of the shipped set, 3 per category).
 QUICK_PER_CATEGORY = 3

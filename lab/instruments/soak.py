@@ -36,12 +36,13 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, Field, confloat, conint, field_validator, model_validator
 
-from lab.instruments.base import Better, BootContext, Cell, Step, StepResult
+from lab.instruments.base import Better, BootContext
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.free_memory_watch import FreeMemoryWatch
 from lab.instruments.presets import PresetParams
 from lab.instruments.soak_sessions import Exchange, Sessions
+from lab.store.records import Cell, Step, StepResult
 
 GIB = 1024**3
 STATS = ("median", "p90", "max")

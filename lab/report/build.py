@@ -8,15 +8,14 @@ import logging
 from pathlib import Path
 
 import pandas as pd
-from sqlalchemy import func, select
 
-from lab import history_page, verdicts
-from lab.arms.validate import parse_ladder
+from lab.analysis import verdicts
+from lab.ladder.validate import parse_ladder
+from lab.report import history_page
 from lab.report import document as doc
 from lab.report import tables
 from lab.report.data import RunData, load
 from lab.report.figures import Drawn, draw_all
-from lab.store import models as m
 from lab.store import reader
 from lab.store.db import Store
 
@@ -34,10 +33,7 @@ def pick_run(store: Store, ref: str | None) -> tuple[int, str]:
     else:
         run = reader.find_run(store, ref)
         run_id, name = run.id, run.name
-    with store.session() as s:
-        cells = s.scalar(select(func.count()).select_from(m.Cell).join(m.Slot, m.Cell.slot_id == m.Slot.id)
-                         .where(m.Slot.run_id == run_id))
-    if not cells:
+    if not reader.cell_count(store, run_id):
         raise LookupError(f"run {name} has no stored cells yet; `lab ls {name}` shows its boots")
     return run_id, name
 
@@ -91,8 +87,7 @@ def _calibration(store: Store, run_id: int, ladder_name: str) -> pd.DataFrame:
     rows = reader.latest_noise(store, ladder_name, host) if host is not None else []
     if not rows:
         return pd.DataFrame()
-    with store.session() as s:
-        name = s.get_one(m.Run, rows[0].run_id).name
+    name = reader.run_name(store, rows[0].run_id)
     return pd.DataFrame([{"metric": r.metric, "run_name": name, "boots": r.boots, "sd_log": r.sd_log,
                           "drift_pct": r.drift_pct, "mde_pct": r.mde_pct, "repeats": r.repeats, "power": r.power,
                           "created_at": r.created_at} for r in rows])

@@ -1,9 +1,8 @@
 """A run's rows as pandas frames: the stored tables as they are, and the joined views figures use.
 
-`tables` is what `lab export` writes: every table's rows that belong to the run, columns exactly
-as stored (JSON columns as Python objects). `RunData` adds to cells, boots, steps and qeval items
-the slot they belong to (arm, role, position, window, a readable label), so a figure can group by
-arm without joining anything itself. Times are UTC.
+`RunData` holds a run's stored tables (`lab.store.frames`, what `lab export` writes) and adds to
+cells, boots, steps and qeval items the slot they belong to (arm, role, position, window, a
+readable label), so a figure can group by arm without joining anything itself. Times are UTC.
 """
 
 from __future__ import annotations
@@ -12,36 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Table, select
 
-from lab.store import models as m
 from lab.store.db import Store
-
-# Export order: each table after the ones it refers to.
-TABLES: dict[str, Table] = {
-    "runs": m.Run.__table__, "arms": m.Arm.__table__, "slots": m.Slot.__table__, "boots": m.Boot.__table__,
-    "steps": m.Step.__table__, "cells": m.Cell.__table__, "requests": m.Request.__table__,
-    "qeval_items": m.QevalItem.__table__, "verdicts": m.Verdict.__table__,
-}
-
-
-def tables(store: Store, run_id: int, include: tuple[str, ...] = tuple(TABLES)) -> dict[str, pd.DataFrame]:
-    """The rows of each named table that belong to the run."""
-    slot_ids = select(m.Slot.id).where(m.Slot.run_id == run_id)
-    step_ids = select(m.Step.id).where(m.Step.slot_id.in_(slot_ids))
-    where: dict[str, Any] = {
-        "runs": m.Run.id == run_id, "arms": m.Arm.run_id == run_id, "slots": m.Slot.run_id == run_id,
-        "boots": m.Boot.run_id == run_id, "steps": m.Step.slot_id.in_(slot_ids),
-        "cells": m.Cell.slot_id.in_(slot_ids), "requests": m.Request.step_id.in_(step_ids),
-        "qeval_items": m.QevalItem.slot_id.in_(slot_ids), "verdicts": m.Verdict.run_id == run_id,
-    }
-    frames = {}
-    with store.engine.connect() as connection:
-        for name in include:
-            table = TABLES[name]
-            query = select(table).where(where[name]).order_by(table.c.id)
-            frames[name] = pd.read_sql(query, connection)
-    return frames
+from lab.store.frames import run_tables
 
 
 @dataclass
@@ -68,8 +40,8 @@ class RunData:
 
 
 def load(store: Store, run_id: int) -> RunData:
-    raw = tables(store, run_id, include=("runs", "arms", "slots", "boots", "steps", "cells", "qeval_items",
-                                         "verdicts"))
+    raw = run_tables(store, run_id, include=("runs", "arms", "slots", "boots", "steps", "cells", "qeval_items",
+                                             "verdicts"))
     arms = raw["arms"]
     names = arms.set_index("id")["name"]
     slots = raw["slots"].assign(arm=lambda f: f["arm_id"].map(names))

@@ -9,11 +9,11 @@ from typing import Any
 
 import pandas as pd
 
+from lab.analysis.keep import pct_text
+from lab.analysis.stats import paired_counts
 from lab.instruments.base import NOT_APPLICABLE
 from lab.instruments.capabilities import summary
-from lab.keep import pct_text
 from lab.report.data import RunData
-from lab.stats import paired_counts
 
 
 def keep_table(data: RunData) -> pd.DataFrame:

@@ -19,7 +19,7 @@ from lab.report import document as doc
 from lab.report.figures import ARM_COLOURS, Drawn, new_figure, png
 from lab.store.db import Store
 from lab.store.study_storage import study_storage
-from lab.tune import confirm
+from lab.tune.confirmation import Confirmation, stored
 from lab.tune.spec import TuneFile, parse_tune
 
 log = logging.getLogger("lab.report")
@@ -35,7 +35,7 @@ def write_tune_report(store: Store, study_name: str, out: str | Path = "reports"
     tune = parse_tune(study.user_attrs["tune_text"], f"{study_name} (stored tune file)")
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    confirmation = confirm.stored(store, study, tune)
+    confirmation = stored(store, study, tune)
     scores = importances(study, tune)
     drawn = [_history(complete, tune, study), _importances(scores, complete, tune)]
     if len(tune.objectives) > 1:
@@ -156,7 +156,7 @@ def _pareto(study: optuna.Study, complete: list[optuna.trial.FrozenTrial], tune:
 
 
 def _blocks(study: optuna.Study, tune: TuneFile, trials: list[optuna.trial.FrozenTrial], drawn: list[Drawn],
-            confirmation: confirm.Confirmation | None, scores: dict[str, dict[str, float]] | str) -> list[doc.Block]:
+            confirmation: Confirmation | None, scores: dict[str, dict[str, float]] | str) -> list[doc.Block]:
     states = pd.Series([t.state.name.lower() for t in trials]).value_counts()
     objectives = ", ".join(f"{o.metric} ({d.name.lower()})" for o, d in zip(tune.objectives, study.directions))
     blocks: list[doc.Block] = [doc.Paragraph(
@@ -191,7 +191,7 @@ def _blocks(study: optuna.Study, tune: TuneFile, trials: list[optuna.trial.Froze
     return blocks
 
 
-def _confirmation_table(confirmation: confirm.Confirmation, tune: TuneFile) -> pd.DataFrame:
+def _confirmation_table(confirmation: Confirmation, tune: TuneFile) -> pd.DataFrame:
     rows = []
     for c in confirmation.candidates:
         row = {"arm": c.arm, "trial": c.trial, "params": _params(c.params)}

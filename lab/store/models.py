@@ -215,7 +215,7 @@ class QevalItem(Base):
 
 
 class Verdict(Base):
-    """The KEEP rule's decision for one arm against its window's controls (`lab.keep.Verdict`)."""
+    """The KEEP rule's decision for one arm against its window's controls (`lab.analysis.keep.Verdict`)."""
 
     __tablename__ = "verdict"
     __table_args__ = (UniqueConstraint("run_id", "arm_id"),)
@@ -229,7 +229,7 @@ class Verdict(Base):
 
 
 class NoiseModel(Base):
-    """One key metric's boot-to-boot noise on one host, from a `lab calibrate` run (`lab.calibrate`)."""
+    """One key metric's boot-to-boot noise on one host, from a `lab calibrate` run (`lab.runner.calibrate`)."""
 
     __tablename__ = "noise_model"
     __table_args__ = (UniqueConstraint("run_id", "metric"),)

@@ -158,3 +158,50 @@ def trials(store: Store, study: str) -> list[m.TuneTrial]:
     with store.session() as s:
         return list(s.scalars(select(m.TuneTrial).where(m.TuneTrial.study == study)
                               .order_by(m.TuneTrial.number)).all())
+
+
+@dataclass(frozen=True)
+class RunRows:
+    """A run with its arms (in order), slots (by index), cells (as stored) and boots (by slot, attempt)."""
+
+    run: m.Run
+    arms: list[m.Arm]
+    slots: list[m.Slot]
+    cells: list[m.Cell]
+    boots: list[m.Boot]
+
+
+def run_rows(store: Store, run_id: int) -> RunRows:
+    with store.session() as s:
+        return RunRows(
+            run=s.get_one(m.Run, run_id),
+            arms=list(s.scalars(select(m.Arm).where(m.Arm.run_id == run_id).order_by(m.Arm.id)).all()),
+            slots=list(s.scalars(select(m.Slot).where(m.Slot.run_id == run_id).order_by(m.Slot.idx)).all()),
+            cells=list(s.scalars(select(m.Cell).join(m.Slot, m.Cell.slot_id == m.Slot.id)
+                                 .where(m.Slot.run_id == run_id).order_by(m.Cell.id)).all()),
+            boots=list(s.scalars(select(m.Boot).where(m.Boot.run_id == run_id)
+                                 .order_by(m.Boot.slot_id, m.Boot.attempt)).all()))
+
+
+def latest_run_id(store: Store) -> int | None:
+    with store.session() as s:
+        return s.scalar(select(func.max(m.Run.id)))
+
+
+def run_name(store: Store, run_id: int) -> str:
+    with store.session() as s:
+        return s.get_one(m.Run, run_id).name
+
+
+def cell_count(store: Store, run_id: int) -> int:
+    """How many cells the run stored, valid or not."""
+    with store.session() as s:
+        return s.scalar(select(func.count()).select_from(m.Cell).join(m.Slot, m.Cell.slot_id == m.Slot.id)
+                        .where(m.Slot.run_id == run_id)) or 0
+
+
+def qeval_passes(store: Store, slot_id: int) -> dict[str, bool]:
+    """Whether each qeval task passed on the slot; {} when it stored no qeval items."""
+    with store.session() as s:
+        rows = s.execute(select(m.QevalItem.task, m.QevalItem.passed).where(m.QevalItem.slot_id == slot_id)).tuples()
+        return {task: bool(passed) for task, passed in rows}

@@ -13,18 +13,10 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
-from lab.arms.render import Plan
-from lab.instruments.base import Step as PlannedStep
-from lab.instruments.base import StepResult
 from lab.store import models as m
 from lab.store.db import Store
-
-# Attribute names read from each receipt (lab.instruments.receipt.Receipt); absent ones are stored as NULL.
-RECEIPT_FIELDS = ("endpoint", "status", "error", "t_queued_ns", "t_sent_ns", "t_first_ns", "t_last_ns", "t_done_ns",
-                  "token_times_ns", "prompt_tokens", "completion_tokens", "cached_tokens", "text", "finish_reason",
-                  "payload", "response", "request_id", "response_id", "chunk_tokens", "usage_present",
-                  "cached_tokens_present", "reasoning_text", "logprobs", "opened_connection", "read_lag_max_ns",
-                  "unvouched", "usage_counted_by")
+from lab.store.records import Step as PlannedStep
+from lab.store.records import RECEIPT_FIELDS, RunPlan, StepResult
 
 
 def now() -> datetime:
@@ -36,7 +28,7 @@ def params_key(params: dict[str, Any]) -> str:
 
 
 def create_run(store: Store, *, name: str, ladder_name: str, ladder_path: str, ladder_text: str, sha256: str,
-               engine_kind: str, logs_dir: str, plan: Plan) -> int:
+               engine_kind: str, logs_dir: str, plan: RunPlan) -> int:
     """The run with its arms and planned slots, in one transaction."""
     with store.session() as s, s.begin():
         run = m.Run(name=name, ladder_name=ladder_name, ladder_path=ladder_path, ladder_text=ladder_text,

@@ -10,8 +10,6 @@ feasible Pareto front, best first objective first. Only a kept candidate can be 
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,40 +17,16 @@ import optuna
 import yaml
 from rich.console import Console
 
-from lab import verdicts
-from lab.arms import render
-from lab.arms.validate import parse_ladder
-from lab.run import create_from_text, execute
-from lab.stats import median_of_repeats
+from lab.ladder import render
+from lab.ladder.validate import parse_ladder
+from lab.runner.run import create_from_text, execute
 from lab.store import reader
 from lab.store.db import Store
+from lab.tune import confirmation
 from lab.tune import trial as trials
 from lab.tune.spec import TuneFile
 
 CONTROL = "C0base"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    arm: str
-    trial: int
-    params: dict[str, Any]
-    trial_values: list[float]
-    confirmed: list[float | None]
-    decision: str
-    reason: str
-
-    def moved_pct(self) -> list[float | None]:
-        """How far each confirmed objective moved from the trial's own figure, in %."""
-        return [None if c is None or t == 0 else (c - t) * 100 / abs(t)
-                for t, c in zip(self.trial_values, self.confirmed)]
-
-
-@dataclass(frozen=True)
-class Confirmation:
-    run: str
-    candidates: list[Candidate]
-    winner: Candidate | None
 
 
 def candidates(study: optuna.Study, tune: TuneFile) -> list[optuna.trial.FrozenTrial]:
@@ -74,7 +48,7 @@ def candidates(study: optuna.Study, tune: TuneFile) -> list[optuna.trial.FrozenT
 
 
 def confirm(store: Store, study: optuna.Study, tune: TuneFile, text: str, tune_path: str | Path,
-            runs_dir: str | Path, console: Console) -> Confirmation | None:
+            runs_dir: str | Path, console: Console) -> confirmation.Confirmation | None:
     """Run (or finish, or reread) the confirmation ladder and name the winner; None without candidates."""
     data = yaml.safe_load(text)
     name = f"{study.study_name}-confirm"
@@ -105,40 +79,7 @@ def confirm(store: Store, study: optuna.Study, tune: TuneFile, text: str, tune_p
                       f"{', '.join(a['name'] for a in arms)}", highlight=False)
         execute(store, run, console)
         run_id = run.id
-    return _read(store, run_id, name, picked, tune)
-
-
-def stored(store: Store, study: optuna.Study, tune: TuneFile) -> Confirmation | None:
-    """The study's finished confirmation as stored, without running anything; None before it ran."""
-    name = f"{study.study_name}-confirm"
-    done = {r.name: r for r in reader.list_runs(store)}
-    if name not in done or done[name].status != "done":
-        return None
-    numbers = {int(a.name[1:]) for a in reader.arms(store, done[name].id) if a.role == "arm"}
-    picked = [t for t in study.get_trials(deepcopy=False) if t.number in numbers]
-    return _read(store, done[name].id, name, picked, tune)
-
-
-def _read(store: Store, run_id: int, name: str, picked: list[optuna.trial.FrozenTrial], tune: TuneFile) -> Confirmation:
-    evidence = verdicts.load(store, run_id)
-    stored = reader.verdicts(store, run_id)
-    maximize = [(o.direction or ("maximize" if evidence.higher_is_better(s) else "minimize")) == "maximize"
-                for o, s in zip(tune.objectives, evidence.spec.metrics)]
-    found = []
-    for t in picked:
-        arm = f"T{t.number:03d}"
-        confirmed: list[float | None] = []
-        for selector in evidence.spec.metrics:
-            values = [median_of_repeats(evidence.select(s, selector).values) for s in evidence.arm_slots(arm)
-                      if evidence.select(s, selector).values]
-            confirmed.append(statistics.median(values) if values else None)
-        verdict = stored.get(arm)
-        found.append(Candidate(arm, t.number, dict(t.params), list(t.values), confirmed,
-                               verdict.decision if verdict else "no verdict",
-                               verdict.reasons[0] if verdict and verdict.reasons else ""))
-    kept = [c for c in found if c.decision == "keep" and c.confirmed[0] is not None]
-    winner = (max(kept, key=lambda c: c.confirmed[0] if maximize[0] else -c.confirmed[0])) if kept else None
-    return Confirmation(name, found, winner)
+    return confirmation.read(store, run_id, name, picked, tune)
 
 
 def _control_hash(tune: TuneFile, data: dict[str, Any], flags: dict[str, Any], env: dict[str, Any]) -> str:

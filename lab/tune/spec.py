@@ -3,7 +3,7 @@
 A tune file is a ladder without windows: the engine, instruments and hygiene are a ladder's, and
 instead of arms it has a search space, objectives (key metrics, with `where`), constraints (gates)
 and budgets. Every trial and the confirmation are rendered into ordinary ladders, which
-`lab.arms.validate` checks again; this module refuses what can be told from the file alone.
+`lab.ladder.validate` checks again; this module refuses what can be told from the file alone.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError, model_validator
 
-from lab.arms.errors import LadderError, Problem
-from lab.arms.ladder import Engine, Gate, Hygiene, Instruments, MetricRef, Name, Scalar, Strict
-from lab.arms.yaml_lines import MAX_BYTES, Located, dotted, load
-from lab.engine import config as engine_config
+from lab.engine.core import config as engine_config
 from lab.instruments import REGISTRY
+from lab.ladder.errors import LadderError, Problem
+from lab.ladder.ladder import Engine, Gate, Hygiene, Instruments, MetricRef, Name, Scalar, Strict
+from lab.ladder.yaml_lines import MAX_BYTES, Located, dotted, load
 
 
 class IntRange(Strict):

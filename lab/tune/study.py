@@ -36,15 +36,15 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from lab import boot as engine_boot
-from lab.arms.errors import LadderError
-from lab.run import RunError
-from lab.slot import Interrupted
+from lab.ladder.errors import LadderError
+from lab.ladder.ladder import Gate
+from lab.runner import boot as engine_boot
+from lab.runner.run import RunError
+from lab.runner.slot import Interrupted
 from lab.store import reader, writer
 from lab.store.db import Store
 from lab.store.study_storage import study_storage
 from lab.tune import trial as trials
-from lab.arms.ladder import Gate
 from lab.tune.spec import Param, TuneFile, load_tune
 
 log = logging.getLogger("lab.tune")

@@ -16,13 +16,14 @@ from typing import Any
 
 import yaml
 
-from lab import fingerprint, verdicts
-from lab.arms import render
-from lab.arms.ladder import Ladder
-from lab.arms.validate import parse_ladder
+from lab.analysis import verdicts
+from lab.analysis.stats import median_of_repeats
 from lab.instruments import REGISTRY
-from lab.slot import RunContext, run_slot
-from lab.stats import median_of_repeats
+from lab.ladder import render
+from lab.ladder.ladder import Ladder
+from lab.ladder.validate import parse_ladder
+from lab.runner import fingerprint
+from lab.runner.slot import RunContext, run_slot
 from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from lab.engine.loader import weight_shapes
-from lab.engine.weights_hf import read_config
+from lab.engine.weights.loader import weight_shapes
+from lab.engine.weights.weights_hf import read_config
 
 EOS = "<|endoftext|>"
 EOS_ID = 256  # after the 256 byte tokens

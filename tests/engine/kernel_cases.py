@@ -2,7 +2,7 @@
 and the GPU tests in test_kernels.py.
 
 Each `check_*` function draws fresh random inputs from its seed, runs a kernel into outputs
-poisoned with NaN, runs the PyTorch reference (lab.engine.attention / lab.engine.layers) and
+poisoned with NaN, runs the PyTorch reference (lab.engine.model.attention / lab.engine.model.layers) and
 returns plain numbers and flags for the test to assert on. Attention caches are poisoned too:
 every slot outside the sequences' contexts (the tail of each last block, unreferenced blocks,
 block 0 that pads the block tables) holds NaN in the cache the kernels read, so a kernel that
@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from lab.engine import layers
-from lab.engine.attention import FP8_DTYPES, TorchAttention
-from lab.engine.attention_metadata import AttentionMetadata, build_metadata
+from lab.engine.core.attention_metadata import AttentionMetadata, build_metadata
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
+from lab.engine.model import layers
+from lab.engine.model.attention import TorchAttention
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,7 +154,7 @@ def check_attention(seqs: list[tuple[int, int]], num_decodes: int, num_heads: in
     """TritonAttention.forward against TorchAttention on one flat batch. Returns the relative
     error overall and of the decode / prefill parts, and flags: every output row written,
     the written cache slots byte-identical to the reference's, the poison slots untouched."""
-    from lab.engine.triton_attention import TritonAttention
+    from lab.engine.model.triton_attention import TritonAttention
 
     torch_dtype = _dtype(dtype)
     torch_cache_dtype = _dtype(cache_dtype) if cache_dtype else torch_dtype
@@ -182,7 +183,7 @@ def check_padding_rows(device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """A decode batch padded the way a CUDA graph pads it: padding rows have slot -1 and
     context_len 0. Real rows must match the reference without them; padding rows must come out
     zero (not NaN) and write nothing."""
-    from lab.engine.triton_attention import TritonAttention
+    from lab.engine.model.triton_attention import TritonAttention
 
     seqs = [(1, 37), (1, 5)]
     case = make_attention_case(seqs, 2, 4, 2, 64, 16, torch.float32, torch.float32, 1.0, 1.0, seed, device)
@@ -220,7 +221,7 @@ def check_padding_rows(device: str = "cpu", seed: int = 0) -> dict[str, Any]:
 def check_rms_norm(num_tokens: int, hidden: int, dtype: str = "float32", weight_dtype: str | None = None,
                    with_residual: bool = True, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """kernels.rms_norm against layers.rms_norm (normed output and the new residual)."""
-    from lab.engine.kernels import rms_norm
+    from lab.engine.kernels.rmsnorm import rms_norm
 
     gen = torch.Generator(device=device).manual_seed(seed)
     x = _randn(gen, num_tokens, hidden).to(_dtype(dtype))
@@ -243,7 +244,7 @@ def check_silu_and_mul(num_tokens: int, inter: int, dtype: str = "float32", seed
                        device: str = "cpu") -> dict[str, Any]:
     """kernels.silu_and_mul against layers.silu_and_mul, on gate | up with gates out to +-12 (where
     SiLU saturates and underflows), into a NaN-poisoned output."""
-    from lab.engine.kernels import silu_and_mul
+    from lab.engine.kernels.silu_mul import silu_and_mul
 
     gen = torch.Generator(device=device).manual_seed(seed)
     gate_up = (4 * _randn(gen, num_tokens, 2 * inter)).clamp(-12, 12).to(_dtype(dtype))
@@ -269,8 +270,8 @@ def check_rope_kv_write(num_tokens: int, num_heads: int, num_kv_heads: int, head
     kv_write stores it), on q, k, v that are views of one fused qkv product. The caches are
     NaN-poisoned; this step's slots are scattered over them and every other slot must keep its
     poison bytes."""
-    from lab.engine.attention import write_kv
-    from lab.engine.kernels import rope_and_write_kv
+    from lab.engine.kernels.rope_kv_write import rope_and_write_kv
+    from lab.engine.model.attention import write_kv
 
     gen = torch.Generator(device=device).manual_seed(seed)
     torch_dtype = _dtype(dtype)
@@ -363,8 +364,7 @@ def check_num_splits(shapes: list[list[int]], bounds_for: list[list[int]] = ()) 
     """choose_num_splits for (batch, num_kv_heads, max_context_len, num_sms[, programs_per_sm[,
     tile]]) shapes; and split_context_bounds over the same heuristic for (batch, num_kv_heads,
     max_model_len, num_sms, programs_per_sm, tile) in `bounds_for`, with each bound's split count."""
-    from lab.engine.kernels import choose_num_splits
-    from lab.engine.kernels.decode_attention import split_context_bounds
+    from lab.engine.kernels.decode_attention import choose_num_splits, split_context_bounds
 
     bounds = []
     for batch, kv_heads, max_model_len, sms, per_sm, tile in bounds_for:

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from lab.engine.async_engine import AsyncEngine, build_engine
-from lab.engine.config import EngineConfig
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.config import EngineConfig
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.async_engine import AsyncEngine, build_engine
 
 
 @pytest.fixture(scope="module")

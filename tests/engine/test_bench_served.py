@@ -104,3 +104,13 @@ def test_a_killed_bench_leaves_no_served_engine(smollm2_gguf: Path, tmp_path: Pa
         if bench_proc.poll() is None:
             bench_proc.kill()
             bench_proc.wait()
+
+
+def test_bench_against_transformers_without_it_installed_is_a_one_line_error(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['transformers'] = None; from lab.engine.__main__ import main; "
+            "sys.exit(main(['bench', '--model', 'dummy:smollm2-135m', '--reference', 'hf']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "lab engine bench: error: --reference hf needs transformers: pip install -e '.[bench]', or pass "
+        "--reference none"]

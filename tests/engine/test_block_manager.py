@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lab.engine.block_manager import BlockManager
-from lab.engine.sampling_params import SamplingParams
-from lab.engine.sequence import Sequence
+from lab.engine.core.block_manager import BlockManager
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.core.sequence import Sequence
 
 BS = 4
 

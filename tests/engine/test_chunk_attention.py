@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab.engine.attention import causal_attention
-from lab.engine.chunk_attention import chunk_attention, merge
+from lab.engine.model.attention import causal_attention
+from lab.engine.model.chunk_attention import chunk_attention, merge
 
 # (chunk length, prefix length, query heads, KV heads, head dim)
 SHAPES = [(5, 0, 4, 4, 16), (7, 13, 8, 2, 16), (33, 100, 6, 2, 64), (1, 50, 9, 3, 64), (64, 64, 32, 8, 128)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lab.engine.cpu_linear import choices_path
-from lab.engine.warm_caches import BuiltCaches, triton_cache_dir
+from lab.engine.core.warm_caches import BuiltCaches, triton_cache_dir
+from lab.engine.model.cpu_linear import choices_path
 from tests.engine.server_process import engine_server
 
 SMALL = ("--device", "cpu", "--max-model-len", "256", "--kv-cache-memory-bytes", str(32 << 20))

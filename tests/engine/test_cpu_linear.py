@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.engine import cpu_linear
-from lab.engine.cpu_linear import (NARROW_MAX_ROWS, ROW_BUCKETS, CpuLinear, choice_builds, choices_path, host_key,
-                                   narrow_linear)
+from lab.engine.model import cpu_linear
+from lab.engine.model.cpu_linear import (NARROW_MAX_ROWS, ROW_BUCKETS, CpuLinear, choice_builds, choices_path, host_key,
+                                         narrow_linear)
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +88,7 @@ def test_a_damaged_file_is_ignored_with_a_warning_and_rebuilt(tmp_path: Path, ca
     if damage == "GARBAGE-HOST":
         damage = json.dumps({"format": 1, "host": host_key(), "shapes": {"float32 96x64": [{"rows": 1}]}})
     path.write_text(damage, "utf-8")
-    caplog.set_level(logging.WARNING, logger="lab.engine.cpu_linear")
+    caplog.set_level(logging.WARNING, logger="lab.engine.model.cpu_linear")
     before = len(choice_builds())
     CpuLinear.for_model(layers, head, root=tmp_path)
     assert len(choice_builds()) == before + 1
@@ -100,7 +100,7 @@ def test_an_unwritable_cache_root_only_warns(tmp_path: Path, caplog: pytest.LogC
     layers, head = small_model()
     root = tmp_path / "a-file"
     root.write_text("not a directory")  # mkdir under it fails, as in a read-only home
-    caplog.set_level(logging.WARNING, logger="lab.engine.cpu_linear")
+    caplog.set_level(logging.WARNING, logger="lab.engine.model.cpu_linear")
     op = CpuLinear.for_model(layers, head, root=root)
     assert any("could not write" in r.getMessage() for r in caplog.records)
     x = torch.randn(3, 64)
@@ -110,7 +110,7 @@ def test_an_unwritable_cache_root_only_warns(tmp_path: Path, caplog: pytest.LogC
 def test_figures_measured_on_a_busy_host_serve_the_boot_but_are_not_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(cpu_linear, "MAX_WAITING_SHARE", -1.0)  # any time waiting for a core is too much
-    caplog.set_level(logging.WARNING, logger="lab.engine.cpu_linear")
+    caplog.set_level(logging.WARNING, logger="lab.engine.model.cpu_linear")
     layers, head = small_model()
     before = len(choice_builds())
     op = CpuLinear.for_model(layers, head, root=tmp_path)

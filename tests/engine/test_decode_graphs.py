@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from lab.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.cuda_graphs import DecodeGraphs, capture_sizes
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 
 
 class EagerReplay:

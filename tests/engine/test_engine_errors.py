@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lab.engine.config import ConfigError, EngineConfig, from_sources
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import BadRequestError, SamplingParams
+from lab.engine.core.config import ConfigError, EngineConfig, from_sources
+from lab.engine.core.sampling_params import BadRequestError, SamplingParams
+from lab.engine.serve.llm import LLM
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import gc
 import pytest
 import torch
 
-from lab.engine.hf_reference import build_hf_model
-from lab.engine.llm import LLM
-from lab.engine.loader import load_model
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
+from lab.engine.tools.hf_reference import build_hf_model
+from lab.engine.weights.loader import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MODEL = "dummy:smollm2-135m"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 from tests.engine.prompts import all_prompts
 
 pytestmark = pytest.mark.slow

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab.engine.attention_metadata import build_metadata
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.attention_metadata import build_metadata
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 from tests.engine.prompts import all_prompts
 
 pytestmark = pytest.mark.slow

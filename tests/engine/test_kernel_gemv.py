@@ -72,7 +72,7 @@ def run_case(case: dict[str, Any], device: str = "cpu", seed: int = 0) -> dict[s
     """Relative errors of skinny_linear (and skinny_silu_mul_linear when case['silu']) against the
     PyTorch reference computed from the same inputs."""
     from lab.engine.kernels.gemv import GemvConfig, skinny_linear, skinny_silu_mul_linear
-    from lab.engine.layers import rms_norm, silu_and_mul
+    from lab.engine.model.layers import rms_norm, silu_and_mul
 
     dtype = getattr(torch, case["dtype"])
     m, n, k = case["m"], case["n"], case["k"]
@@ -121,7 +121,7 @@ def _rope_errors(case: dict[str, Any], x: torch.Tensor, w: torch.Tensor, config:
     caches must hold exactly what storing the returned k and v gives (x / scale for fp8), at this
     step's slots only (every other slot keeps its NaN poison)."""
     from lab.engine.kernels.gemv import RopeKV, skinny_linear
-    from lab.engine.layers import apply_rope_rows, rms_norm, rope_cos_sin_cache
+    from lab.engine.model.layers import apply_rope_rows, rms_norm, rope_cos_sin_cache
 
     heads, kv_heads, head_dim = case["rope"]
     m, dtype = x.shape[0], x.dtype

@@ -1,4 +1,4 @@
-"""Triton kernels of the engine (lab/engine/kernels, lab/engine/triton_attention.py) against the
+"""Triton kernels of the engine (lab/engine/kernels, lab/engine/model/triton_attention.py) against the
 PyTorch reference path.
 
 CPU: Triton's interpreter at small shapes. `triton.jit` reads TRITON_INTERPRET when a kernel

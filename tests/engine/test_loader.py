@@ -19,10 +19,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from lab.engine.loader import ModelLoadError, load_model, weight_shapes
-from lab.engine.model_config import PRESETS
-from lab.engine.tokenizer import BYTE_TO_CHAR, Tokenizer
-from lab.engine.weights_gguf import read_gguf
+from lab.engine.model.model_config import PRESETS
+from lab.engine.weights.loader import ModelLoadError, load_model, weight_shapes
+from lab.engine.weights.tokenizer import BYTE_TO_CHAR, Tokenizer
+from lab.engine.weights.weights_gguf import read_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_FILES = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_meta.json", "manifest.json"}
@@ -35,7 +35,7 @@ def killed_then_cold(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, li
     """A first load killed while writing the cache, then a first load that completes.
     Returns (cache root, root entries seen right after the kill, the completed load)."""
     root = tmp_path_factory.mktemp("cache")
-    code = ("import sys, torch; from lab.engine.loader import load_model; "
+    code = ("import sys, torch; from lab.engine.weights.loader import load_model; "
             "load_model('smollm2-135m', torch.float32, cache_dir=sys.argv[1])")
     child = subprocess.Popen([sys.executable, "-c", code, str(root)], cwd=REPO)
     deadline = time.monotonic() + 300
@@ -99,7 +99,7 @@ def test_source_hash_is_the_file_sha256(cold, smollm2_gguf: Path) -> None:
 
 def test_warm_load_reads_only_the_cache(cache_root: Path, cold, monkeypatch: pytest.MonkeyPatch) -> None:
     # With the GGUF reading code unimportable, only a load that never touches the GGUF reader works.
-    monkeypatch.setitem(sys.modules, "lab.engine.weights_gguf", None)
+    monkeypatch.setitem(sys.modules, "lab.engine.weights.weights_gguf", None)
     monkeypatch.setitem(sys.modules, "gguf", None)
     warm = load_model("smollm2-135m", torch.float32, cache_dir=cache_root)
     assert warm.cold is False

@@ -28,13 +28,13 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _compare_steps() -> list[float]:
-    from lab.engine.attention import TorchAttention
-    from lab.engine.attention_metadata import build_metadata
+    from lab.engine.core.attention_metadata import build_metadata
     from lab.engine.kernels import gemv, rmsnorm, silu_mul
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
-    from lab.engine.loader import load_model
-    from lab.engine.model import Model, Ops
-    from lab.engine.triton_attention import TritonAttention
+    from lab.engine.model.attention import TorchAttention
+    from lab.engine.model.model import Model, Ops
+    from lab.engine.model.triton_attention import TritonAttention
+    from lab.engine.weights.loader import load_model
 
     def build(attention, ops: Ops | None) -> tuple[Model, list[tuple[torch.Tensor, torch.Tensor]]]:
         loaded = load_model("dummy:tiny", torch.float32, "cpu", seed=0)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from lab.engine.config import ConfigError, EngineConfig
-from lab.engine.llm import LLM
-from lab.engine.prompt_lookup import FIRST_PAUSE, MAX_PAUSE, PATIENCE, Backoff, find_draft
-from lab.engine.rejection_sampler import verify
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.config import ConfigError, EngineConfig
+from lab.engine.core.prompt_lookup import FIRST_PAUSE, MAX_PAUSE, PATIENCE, Backoff, find_draft
+from lab.engine.core.rejection_sampler import verify
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 from lab.instruments.decode import spec_cells, spec_counters
 from tests.engine.prompts import SHARED_PREFIX
 from tests.engine.server_process import engine_server

@@ -249,8 +249,8 @@ def test_burst_beyond_the_kv_pool_completes_through_preemption(tmp_path) -> None
 def test_overlapped_decode_server_burst_and_hangups(tmp_path) -> None:
     """The GPU default (`--overlap-decode on`) on the CPU: a burst that preempts, clients that hang
     up mid-stream, and the same greedy text as the engine without overlap."""
-    from lab.engine.llm import LLM
-    from lab.engine.sampling_params import SamplingParams
+    from lab.engine.core.sampling_params import SamplingParams
+    from lab.engine.serve.llm import LLM
 
     prompts = [f"Request {i}: " + "tell me about the sea. " * 8 for i in range(12)]
     with engine_server(tmp_path, "--max-model-len", "512", "--num-kv-blocks", "32", "--overlap-decode", "on") as s:

@@ -14,9 +14,9 @@ import pytest
 from fastapi.responses import StreamingResponse
 from starlette.testclient import TestClient
 
-from lab.engine.config import from_sources
-from lab.engine.llm_engine import LLMEngine
-from lab.engine.server import Server, build_app, sse_stream
+from lab.engine.core.config import from_sources
+from lab.engine.core.llm_engine import LLMEngine
+from lab.engine.serve.server import Server, build_app, sse_stream
 from tests.engine.hf_dir import write_template_less_model
 from tests.engine.server_process import engine_server
 
@@ -92,7 +92,7 @@ def app():
 
 
 def test_an_unexpected_error_is_a_json_500_and_the_server_keeps_serving(app, caplog) -> None:
-    caplog.set_level(logging.ERROR, logger="lab.engine.server")
+    caplog.set_level(logging.ERROR, logger="lab.engine.serve.server")
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.get("/raises", headers={"X-Request-Id": "client-7"})
         assert r.status_code == 500
@@ -108,7 +108,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_server_keeps_serving(app, cap
 
 
 def test_an_unexpected_error_mid_stream_is_an_error_event_then_done(app, caplog) -> None:
-    caplog.set_level(logging.ERROR, logger="lab.engine.server")
+    caplog.set_level(logging.ERROR, logger="lab.engine.serve.server")
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.get("/raises-mid-stream")
         assert r.status_code == 200

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lab.engine.chat_template import ChatTemplate, ChatTemplateError
-from lab.engine.tokenizer import Tokenizer
-from lab.engine.weights_gguf import read_gguf
+from lab.engine.weights.chat_template import ChatTemplate, ChatTemplateError
+from lab.engine.weights.tokenizer import Tokenizer
+from lab.engine.weights.weights_gguf import read_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<empty_output>"]
 

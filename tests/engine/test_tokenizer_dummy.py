@@ -14,16 +14,17 @@ import httpx
 import pytest
 import torch
 
-from lab.engine.loader import load_model
-from lab.engine.model_config import PRESETS
-from lab.engine.tokenizer import Tokenizer
-from lab.engine.tokenizer_dummy import dummy_tokenizer
+from lab.engine.model.model_config import PRESETS
+from lab.engine.weights.loader import load_model
+from lab.engine.weights.tokenizer import Tokenizer
+from lab.engine.weights.tokenizer_dummy import dummy_tokenizer
 from lab.instruments.base import BootContext
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.prefill import PrefillParams
 from lab.instruments.prompts import PAD_WORDS, filler_words, fit_prompt, salt_line
-from lab.mem_sampler import MemSampler
+from lab.runner.mem_sampler import MemSampler
 from lab.store.db import open_store
+from lab.store.stored_rows import StoredRows
 from tests.engine.server_process import ServerProcess, engine_server
 
 MODEL = "dummy:smollm2-135m"
@@ -149,8 +150,8 @@ def test_the_prompt_fitter_hits_exact_lengths(server: ServerProcess, tmp_path: P
     store = open_store(str(tmp_path / "lab.db"))
     ctx = BootContext(base_url=server.url, api_base=f"{server.url}/v1", model=MODEL, api_key=None, run_id=1,
                       run_name="r", slot_id=1, boot_id=1, arm="A1", window="W1", role="arm", position="arm",
-                      salt="s", engine_kind="bundled", params=PrefillParams(), store=store, control_boot_ids=[],
-                      mem=MemSampler(), log=logging.getLogger("test"))
+                      salt="s", engine_kind="bundled", params=PrefillParams(), stored=StoredRows(store),
+                      control_boot_ids=[], mem=MemSampler(), log=logging.getLogger("test"))
     words = filler_words("seed", 3000)
 
     def render(k: int, tail: str) -> str:

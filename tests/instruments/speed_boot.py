@@ -1,6 +1,6 @@
 """The speed instruments' test bench: one real engine server and a real SQLite store (the `bench`
 fixture of tests/instruments/conftest.py), with each measurement run step by step and written
-through the store's writer the way `lab run` does it (lab/slot.py), so tests read back exactly
+through the store's writer the way `lab run` does it (lab/runner/slot.py), so tests read back exactly
 what a run would have stored."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from typing import Any
 
 from sqlalchemy import select
 
-from lab.arms.render import plan
-from lab.arms.validate import parse_ladder
 from lab.instruments.base import BootContext, Instrument
-from lab.mem_sampler import MemSampler
+from lab.ladder.render import plan
+from lab.ladder.validate import parse_ladder
+from lab.runner.mem_sampler import MemSampler
 from lab.store import models as m
 from lab.store import writer
 from lab.store.db import Store
+from lab.store.stored_rows import StoredRows
 from tests.engine.server_process import ServerProcess, free_port
 
 MODEL = "smollm2-135m"
@@ -72,7 +73,7 @@ class SpeedBench:
         ctx = BootContext(base_url=base_url, api_base=f"{base_url}/v1", model=model, api_key=None, run_id=run_id,
                           run_name=f"speed-{run_id}", slot_id=slot_id, boot_id=boot_id, arm="A1", window="W1",
                           role="arm", position="arm", salt=salt, engine_kind="bundled",
-                          params=instrument.Params(**params), store=self.store, control_boot_ids=[],
+                          params=instrument.Params(**params), stored=StoredRows(self.store), control_boot_ids=[],
                           mem=MemSampler(), log=self.log)
         for step in instrument.plan(ctx.params):
             started = writer.now()

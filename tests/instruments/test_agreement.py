@@ -14,10 +14,12 @@ from scipy.stats import entropy
 from sqlalchemy import select
 
 from lab.instruments.agreement import AgreementInstrument, AgreementParams, Generation, compare, topk_kl
-from lab.instruments.base import BootContext, Cell
+from lab.instruments.base import BootContext
 from lab.instruments.opening_control import load_reference
 from lab.store import models as m
 from lab.store.db import Store
+from lab.store.records import Cell
+from lab.store.stored_rows import StoredRows
 from tests.instruments.ladder_run import run_ladder
 from tests.instruments.speed_boot import SpeedBench
 
@@ -140,7 +142,8 @@ def _ctx(params: AgreementParams, api_base: str, role: str = "control", controls
     return BootContext(base_url=api_base.removesuffix("/v1"), api_base=api_base, model="smollm2-135m", api_key=None,
                        run_id=1, run_name="t", slot_id=1, boot_id=99, arm="A1", window="W1",
                        role=role, position=position,  # type: ignore[arg-type]
-                       salt="s", engine_kind="bundled", params=params, store=store,  # type: ignore[arg-type]
+                       salt="s", engine_kind="bundled", params=params,
+                       stored=None if store is None else StoredRows(store),  # type: ignore[arg-type]
                        control_boot_ids=controls or [], mem=None,  # type: ignore[arg-type]
                        log=logging.getLogger("test.agreement"))
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from lab import compare
-from lab.instruments.base import Cell
+from lab.analysis import compare
+from lab.analysis.verdicts import judge_run
 from lab.instruments.needle import NeedleInstrument
 from lab.instruments.qeval import QevalInstrument
 from lab.report import tables
 from lab.report.data import load
 from lab.store.db import open_store
-from lab.verdicts import judge_run
+from lab.store.records import Cell
 from tests.engine.server_process import engine_server
 from tests.instruments.speed_boot import ENGINE_FLAGS, SpeedBench, Stored
 from tests.report.conftest import Boot, build_run

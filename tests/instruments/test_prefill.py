@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from lab.arms.errors import LadderError
-from lab.arms.validate import parse_ladder
 from lab.instruments.prefill import PrefillInstrument, PrefillParams
+from lab.ladder.errors import LadderError
+from lab.ladder.validate import parse_ladder
 from tests.instruments.speed_boot import LADDER, MODEL, dead_url
 
 pytestmark = pytest.mark.slow

@@ -13,12 +13,13 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select
 
-from lab.instruments.base import BootContext, Step
+from lab.instruments.base import BootContext
 from lab.instruments.qeval import QevalInstrument, QevalParams, ScorerSelfCheckError, paired_cells, select_tasks
 from lab.instruments.qeval_task import QevalTask, load_tasks, task_set_hash
 from lab.instruments.scoring import Score, final_number, score
 from lab.store import models as m
 from lab.store.db import Store
+from lab.store.records import Step
 from tests.instruments.ladder_run import run_ladder
 
 # An eighth of each task's budget (a code task's 160 tokens become 20): every task is still sent,
@@ -116,7 +117,7 @@ def _ctx(params: QevalParams, api_base: str, role: str = "control") -> BootConte
     return BootContext(base_url=api_base.removesuffix("/v1"), api_base=api_base, model="smollm2-135m", api_key=None,
                        run_id=1, run_name="t", slot_id=1, boot_id=1, arm="C0ctl", window="W1",
                        role=role, position="open", salt="s", engine_kind="bundled",  # type: ignore[arg-type]
-                       params=params, store=None, control_boot_ids=[], mem=None,  # type: ignore[arg-type]
+                       params=params, stored=None, control_boot_ids=[], mem=None,  # type: ignore[arg-type]
                        log=logging.getLogger("test.qeval"))
 
 

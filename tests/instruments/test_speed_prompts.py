@@ -19,8 +19,9 @@ from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.prefill import PrefillParams
 from lab.instruments.prompts import (PromptTooShort, estimated_tokens, filler_words, fit, fit_prompt, request_salt,
                                      salt_line)
-from lab.mem_sampler import MemSampler
+from lab.runner.mem_sampler import MemSampler
 from lab.store.db import open_store
+from lab.store.stored_rows import StoredRows
 from tests.engine.server_process import free_port
 
 STUB = Path(__file__).resolve().parents[1] / "lab" / "stub_engine.py"
@@ -89,8 +90,8 @@ def test_an_engine_without_tokenize_gets_an_estimated_length(stub_engine: str, t
     store = open_store(str(tmp_path / "lab.db"))
     ctx = BootContext(base_url=stub_engine, api_base=f"{stub_engine}/v1", model="stub", api_key=None, run_id=1,
                       run_name="r", slot_id=1, boot_id=1, arm="A1", window="W1", role="arm", position="arm",
-                      salt="s", engine_kind="command", params=PrefillParams(), store=store, control_boot_ids=[],
-                      mem=MemSampler(), log=logging.getLogger("test"))
+                      salt="s", engine_kind="command", params=PrefillParams(), stored=StoredRows(store),
+                      control_boot_ids=[], mem=MemSampler(), log=logging.getLogger("test"))
     words = filler_words("seed", 1000)
 
     async def sized() -> tuple[object, int | None, bool]:

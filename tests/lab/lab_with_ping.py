@@ -5,7 +5,7 @@ import sys
 from lab.instruments import REGISTRY
 from tests.lab.ping_instrument import PingInstrument
 
-REGISTRY[PingInstrument.name] = PingInstrument  # before lab.arms.ladder builds the instruments schema
+REGISTRY[PingInstrument.name] = PingInstrument  # before lab.ladder.ladder builds the instruments schema
 
 from lab.cli import main  # noqa: E402
 

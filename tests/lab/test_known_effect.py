@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from lab.engine.config import ConfigError, from_sources
-from lab.engine.known_cost import KnownCost
-from lab.engine.llm import LLM
-from lab.engine.sampling_params import SamplingParams
+from lab.engine.core.config import ConfigError, from_sources
+from lab.engine.core.known_cost import KnownCost
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
 
 TOKENS = 12
 DELAY_MS = 40.0

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from lab.arms.errors import LadderError
-from lab.arms.runnable import Host
-from lab.arms.validate import load_ladder
+from lab.ladder.errors import LadderError
+from lab.ladder.runnable import Host
+from lab.ladder.validate import load_ladder
 from lab.store import models as m
 from tests.lab.conftest import stub_ladder
 
@@ -169,7 +169,7 @@ def test_a_run_an_exception_ends_is_stored_as_failed_with_the_reason(tmp_path: P
         raise ValueError("cannot convert float infinity to integer")
 
     # The fault the old `max_drift_pct: .inf` caused at window close, now refused by the validator.
-    monkeypatch.setattr("lab.run.verdicts.judge_run", window_close_fails)
+    monkeypatch.setattr("lab.runner.run.verdicts.judge_run", window_close_fails)
     assert lab("run", str(path), "--name", "r1") == 1
     with store.session() as s:
         run = s.scalars(select(m.Run)).one()

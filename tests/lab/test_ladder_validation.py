@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lab.arms.errors import LadderError
-from lab.arms.ladder import json_schema
-from lab.arms.validate import load_ladder, parse_ladder
+from lab.ladder.errors import LadderError
+from lab.ladder.ladder import json_schema
+from lab.ladder.validate import load_ladder, parse_ladder
 from tests.lab.conftest import REPO
 
 GOOD = """\
@@ -192,6 +192,6 @@ def test_published_schema_matches_the_code() -> None:
 
 def test_validating_a_ladder_and_lab_help_never_import_torch() -> None:
     code = ("import sys; from lab.cli import build_parser; build_parser().format_help(); "
-            "from lab.arms.validate import load_ladder; load_ladder('ladders/quickstart.yaml'); "
-            "import lab.run, lab.listing; assert 'torch' not in sys.modules, 'torch was imported'")
+            "from lab.ladder.validate import load_ladder; load_ladder('ladders/quickstart.yaml'); "
+            "import lab.runner.run, lab.report.listing; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

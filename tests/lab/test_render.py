@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from lab.arms.launch import launch
-from lab.arms.render import plan
-from lab.arms.validate import parse_ladder
-from lab.boot import child_env
-from lab.engine import config as engine_config
+from lab.engine.core import config as engine_config
+from lab.ladder.launch import launch
+from lab.ladder.render import plan
+from lab.ladder.validate import parse_ladder
+from lab.runner.boot import child_env
 
 
 def ladder(text: str):

@@ -10,7 +10,7 @@ import psutil
 import pytest
 from sqlalchemy import select
 
-from lab.engine import config as engine_config
+from lab.engine.core import config as engine_config
 from lab.store import models as m
 from lab.store.db import open_store
 from tests.lab.conftest import lab_process

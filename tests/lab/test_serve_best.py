@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lab.boot import free_port
 from lab.cli import main as lab_main
+from lab.runner.boot import free_port
 from tests.lab.conftest import REPO, stub_ladder
 
 def lab_out(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

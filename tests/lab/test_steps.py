@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from lab.steps import analyse, regressed_since
+from lab.analysis.steps import analyse, regressed_since
 
 LABELS = [f"n{i:02d}" for i in range(12)]
 
@@ -73,7 +73,7 @@ def test_a_regression_then_a_recovery_leaves_nothing_to_flag() -> None:
 
 
 def test_history_check_names_the_metric_the_change_and_the_first_label_of_the_regression() -> None:
-    from lab.history import History, MetricHistory, Point
+    from lab.report.history import History, MetricHistory, Point
 
     values = noisy([200.0] * 6 + [180.0] * 3)
     points = [Point(label, f"run-{label}", v, [v], None) for label, v in zip(LABELS, values)]

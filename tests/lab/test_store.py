@@ -6,13 +6,13 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from lab.arms.render import plan
-from lab.arms.validate import parse_ladder
-from lab.instruments.base import Cell, Step, StepResult
 from lab.instruments.receipt import Receipt, TokenLogprob
+from lab.ladder.render import plan
+from lab.ladder.validate import parse_ladder
 from lab.store import models as m
 from lab.store import writer
 from lab.store.db import StoreError, open_store, resolve_url
+from lab.store.records import Cell, Step, StepResult
 
 LADDER = """\
 name: s

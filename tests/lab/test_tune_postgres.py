@@ -17,8 +17,8 @@ import optuna
 import pytest
 from sqlalchemy import func, select
 
-from lab.boot import free_port
 from lab.cli import main as lab_main
+from lab.runner.boot import free_port
 from lab.store import models as m
 from lab.store.db import open_store
 from tests.instruments.ladder_run import REPO

@@ -18,13 +18,13 @@ import pytest
 import yaml
 from sqlalchemy import select
 
-from lab.arms.ladder import Ladder
-from lab.arms.render import plan
-from lab.arms.validate import load_ladder, parse_ladder
-from lab.instruments.base import Cell, QevalItem, Step, StepResult
+from lab.ladder.ladder import Ladder
+from lab.ladder.render import plan
+from lab.ladder.validate import load_ladder, parse_ladder
 from lab.store import models as m
 from lab.store import writer
 from lab.store.db import Store, open_store
+from lab.store.records import Cell, QevalItem, Step, StepResult
 
 REPO = Path(__file__).resolve().parents[2]
 

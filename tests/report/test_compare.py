@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from lab.compare import CompareError, compare
-from lab.instruments.base import Cell
+from lab.analysis.compare import CompareError, compare
 from lab.store import models as m
 from lab.store.db import open_store
+from lab.store.records import Cell
 from tests.report.conftest import Boot, Quickstart, build_run, lab_cli
 
 KEY = "memory.kv_pool_tokens"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lab.export import export_run
-from lab.instruments.base import Cell
-from lab.verdicts import judge_run
+from lab.analysis.verdicts import judge_run
+from lab.report.export import export_run
+from lab.store.records import Cell
 from tests.report.conftest import Boot, build_run, lab_cli
 
 TABLES = ("runs", "arms", "slots", "boots", "steps", "cells", "requests", "qeval_items", "verdicts")

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from lab.compare import compare, print_comparison
-from lab.instruments.base import Cell
+from lab.analysis.compare import compare, print_comparison
+from lab.analysis.verdicts import judge_run
 from lab.report import figures
 from lab.report.build import write_report
 from lab.report.data import load
 from lab.store import writer
-from lab.verdicts import judge_run
+from lab.store.records import Cell
 from tests.report.conftest import LADDER, Boot, build_run, lab_cli
 
 PEAK = "memory.peak_memory_gib"  # lower is better

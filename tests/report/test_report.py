@@ -13,13 +13,13 @@ import pytest
 from matplotlib.figure import Figure
 from sqlalchemy import select
 
-from lab.instruments.base import Cell
+from lab.analysis.verdicts import judge_run
 from lab.report import figures
 from lab.report.build import write_report
 from lab.report.data import load
 from lab.store import models as m
 from lab.store.db import open_store
-from lab.verdicts import judge_run
+from lab.store.records import Cell
 from tests.report.conftest import Boot, Quickstart, build_run, lab_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from lab.instruments.base import Cell
+from lab.analysis.verdicts import judge_run
 from lab.store import models as m
-from lab.verdicts import judge_run
+from lab.store.records import Cell
 from tests.report.conftest import LADDER, Boot, build_run
 
 KEY = "memory.kv_pool_tokens"

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.engine.attention import FP8_DTYPES
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 from lab.engine.kernels.paged_tiles import attend_tiles, dot_in_fp16, dot_precision
 
 # Fewest KV tokens worth a split of their own: below this the merge costs more than it hides.

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.engine.attention import FP8_DTYPES
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 from lab.engine.kernels.rmsnorm import rms_norm
 from lab.engine.kernels.rope_kv_write import rope_and_write_kv, to_cache
 
@@ -176,7 +176,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, g_ptr, r_ptr,
     k_begin = pid_k * k_chunk
     k_end = tl.minimum(k_begin + k_chunk, K)
 
-    if USE_DOT:  # NORM and ROPE are never set here (see _launch)
+    if USE_DOT:  # NORM and ROPE are never set here (see _product)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :]
         x_ptrs = x_ptr + x_rows[None, :] + offs_k[:, None]
@@ -328,9 +328,10 @@ def _counter_buffer(device: torch.device) -> torch.Tensor | None:
     return buffer
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype | None,
-            config: GemvConfig | None, silu_mul: bool, name: str, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0, residual: torch.Tensor | None = None, rope: RopeKV | None = None) -> torch.Tensor:
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype | None,
+           silu_mul: bool, name: str, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
+           rope: RopeKV | None) -> torch.Tensor:
+    """Refuse, with the reason, what the kernel cannot take; `out`, allocated when not given."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"{name} takes 2-D x and w, got {tuple(x.shape)} and {tuple(w.shape)}")
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
@@ -364,26 +365,24 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
             raise ValueError(f"{name}: rope needs k and v caches of one shape and layout, rows contiguous")
         if kc.dtype not in FP8_DTYPES and (rope.k_scale != 1.0 or rope.v_scale != 1.0):
             raise ValueError(f"{name}: KV scales apply to fp8 caches only")
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.copy_(residual) if residual is not None else out.zero_()
+    return out
 
-    cfg = config or pick_config(m, n, k, _sm_count(x.device), silu_mul)
-    if norm_weight is not None and cfg.use_dot:
-        # The tensor-core path feeds x to the MMA from shared memory; scaling it in registers
-        # first costs a round trip per tile (the whole chain 0.86x at M = 4..16 on an H200,
-        # bench_gemv's norms table), more than the separate norm's launch.
-        x, _ = rms_norm(x, norm_weight, eps)
-        norm_weight = None
-    if rope is not None and (cfg.use_dot or head_dim % cfg.block_n):
-        # The rotation pairs rows d and d + D/2; only the FMA path's tiles (a few rows each, any
-        # rows) are ordered to hold both. Elsewhere the separate kernel does it after the product.
-        y = _launch(x, w, out, out_dtype, config, silu_mul, name, norm_weight, eps)
-        q, k, v = y.view(m, -1, head_dim).split([n // head_dim - 2 * kv_heads, kv_heads, kv_heads], dim=1)
-        rope_and_write_kv(q, k, v, *rope)
-        return y
-    if norm_weight is not None or rope is not None:
+
+class _Plan(NamedTuple):
+    """How one product is launched: the config, the grid (N tiles x K splits) and the split-K
+    bookkeeping."""
+
+    cfg: GemvConfig
+    block_m: int
+    tiles: int
+    split: int
+    blocks_per_split: int
+    counters: torch.Tensor
+
+
+def _plan(cfg: GemvConfig, m: int, n: int, k: int, one_pass: bool, device: torch.device, name: str) -> _Plan:
+    """The grid for `cfg`; `one_pass` (a fused norm or rotation) keeps K in one program."""
+    if one_pass:
         # The norm's scale needs the sum of squares of the whole row, and the rotation the whole
         # dot product of both rows of a pair: one program must see all of K.
         cfg = cfg._replace(split_k=1)
@@ -397,24 +396,65 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtyp
     split = triton.cdiv(k_blocks, blocks_per_split)
     counters = None
     if split > 1 and tiles <= _MAX_COUNTERS:
-        counters = _counter_buffer(x.device)
+        counters = _counter_buffer(device)
     if counters is None:
         # Empty stand-ins (null pointers, never dereferenced) keep the argument types of a split
         # launch, so both share one compiled kernel.
         split, blocks_per_split = 1, k_blocks
-        counters = torch.empty(0, dtype=torch.int32, device=x.device)
-    part = torch.empty((split if split > 1 else 0, m, n), dtype=torch.float32, device=x.device)
-    _skinny_kernel[(tiles, split)](
+        counters = torch.empty(0, dtype=torch.int32, device=device)
+    return _Plan(cfg, block_m, tiles, split, blocks_per_split, counters)
+
+
+def _launch(plan: _Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul: bool,
+            norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+            rope: RopeKV | None) -> None:
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    cfg, counters = plan.cfg, plan.counters
+    part = torch.empty((plan.split if plan.split > 1 else 0, m, n), dtype=torch.float32, device=x.device)
+    _skinny_kernel[(plan.tiles, plan.split)](
         x, w, out, part, counters,
         norm_weight if norm_weight is not None else counters, residual if residual is not None else out,
         m, n, k, x.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-        blocks_per_split * cfg.block_k, split, float(eps),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        plan.blocks_per_split * cfg.block_k, plan.split, float(eps),
+        BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         USE_DOT=cfg.use_dot, SILU_MUL=silu_mul, NORM=norm_weight is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, **_rope_arguments(rope, n, out),
     )
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype | None,
+             config: GemvConfig | None, silu_mul: bool, name: str, norm_weight: torch.Tensor | None = None,
+             eps: float = 0.0, residual: torch.Tensor | None = None, rope: RopeKV | None = None) -> torch.Tensor:
+    """Check, plan and launch one product; the parts a config's path cannot fuse run as their own
+    kernels."""
+    out = _check(x, w, out, out_dtype, silu_mul, name, norm_weight, residual, rope)
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(residual) if residual is not None else out.zero_()
+
+    cfg = config or pick_config(m, n, k, _sm_count(x.device), silu_mul)
+    if norm_weight is not None and cfg.use_dot:
+        # The tensor-core path feeds x to the MMA from shared memory; scaling it in registers
+        # first costs a round trip per tile (the whole chain 0.86x at M = 4..16 on an H200,
+        # bench_gemv's norms table), more than the separate norm's launch.
+        x, _ = rms_norm(x, norm_weight, eps)
+        norm_weight = None
+    if rope is not None:
+        kv_heads, head_dim = rope.k_cache.shape[2:]
+        if cfg.use_dot or head_dim % cfg.block_n:
+            # The rotation pairs rows d and d + D/2; only the FMA path's tiles (a few rows each,
+            # any rows) are ordered to hold both. Elsewhere the separate kernel does it after the
+            # product.
+            y = _product(x, w, out, out_dtype, config, silu_mul, name, norm_weight, eps)
+            q, k, v = y.view(m, -1, head_dim).split([n // head_dim - 2 * kv_heads, kv_heads, kv_heads], dim=1)
+            rope_and_write_kv(q, k, v, *rope)
+            return y
+    plan = _plan(cfg, m, n, k, norm_weight is not None or rope is not None, x.device, name)
+    _launch(plan, x, w, out, silu_mul, norm_weight, eps, residual, rope)
     return out
 
 
@@ -424,7 +464,7 @@ def _rope_arguments(rope: RopeKV | None, n: int, out: torch.Tensor) -> dict:
         return dict(cs_ptr=out, slot_ptr=out, kc_ptr=out, vc_ptr=out, k_scale=1.0, v_scale=1.0, stride_cs=0,
                     stride_cache_block=0, stride_cache_slot=0, stride_cache_head=0, block_size=1, num_heads=0,
                     num_kv_heads=0)
-    kc, vc = rope.k_cache, rope.v_cache  # checked in _launch
+    kc, vc = rope.k_cache, rope.v_cache  # checked in _check
     kv_heads, head_dim = kc.shape[2:]
     return dict(cs_ptr=rope.cos_sin_rows, slot_ptr=rope.slot_mapping, kc_ptr=kc, vc_ptr=vc,
                 k_scale=float(rope.k_scale), v_scale=float(rope.v_scale), stride_cs=rope.cos_sin_rows.stride(0),
@@ -454,8 +494,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     rope_kv_write.rope_and_write_kv would do after the product. On the FMA path the epilogue does
     it (no launch of its own; each tile is ordered to hold whole rotation pairs); on the others
     that kernel runs after the product."""
-    return _launch(x, w, out, out_dtype, config, silu_mul=False, name="skinny_linear",
-                   norm_weight=norm_weight, eps=eps, residual=residual, rope=rope)
+    return _product(x, w, out, out_dtype, config, silu_mul=False, name="skinny_linear",
+                     norm_weight=norm_weight, eps=eps, residual=residual, rope=rope)
 
 
 def skinny_silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -464,5 +504,5 @@ def skinny_silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor, out: torch.Te
     """(silu(gate) * up) @ w^T with gate, up = gate_up[:, :K], gate_up[:, K:] for w[N, K]: the
     MLP's activation and down projection in one kernel, rounded like layers.silu_and_mul; plus
     `residual` when given, as in skinny_linear."""
-    return _launch(gate_up, w, out, out_dtype, config, silu_mul=True, name="skinny_silu_mul_linear",
-                   residual=residual)
+    return _product(gate_up, w, out, out_dtype, config, silu_mul=True, name="skinny_silu_mul_linear",
+                    residual=residual)

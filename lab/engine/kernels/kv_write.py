@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.engine.attention import FP8_DTYPES
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 
 
 @triton.jit

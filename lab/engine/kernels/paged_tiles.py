@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.engine.attention import FP8_DTYPES
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 
 
 def dot_precision(dtype: torch.dtype) -> str:

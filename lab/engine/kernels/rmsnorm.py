@@ -1,6 +1,6 @@
 """Fused RMSNorm with the residual add: one read of x and residual, one write of each result,
 instead of the four elementwise passes of the PyTorch path. Same semantics as
-`lab.engine.layers.rms_norm`, including its roundings: x + residual in x's dtype, the norm in
+`lab.engine.model.layers.rms_norm`, including its roundings: x + residual in x's dtype, the norm in
 float32, the normed row rounded to x's dtype before the weight multiplies it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """RoPE fused with the KV-cache write: one launch rotates this step's q and k (rotate-half layout,
-float32 math, each result rounded once to the input dtype, as `lab.engine.layers.apply_rope_rows`
+float32 math, each result rounded once to the input dtype, as `lab.engine.model.layers.apply_rope_rows`
 does), writes the rotated k back in place, and stores the rotated k and the unrotated v at their
 cache slots (an fp8 cache holds x / scale, rounded as `kv_write.write_kv_cache` rounds).
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.engine.attention import FP8_DTYPES
+from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 
 
 @triton.jit

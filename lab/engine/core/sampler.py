@@ -1,0 +1,130 @@
+"""Turn a step's logits into next tokens: logits processing (penalties, bias, allowed ids,
+min_tokens, grammars) for the requests that ask for it, then greedy, temperature, top-k, top-p,
+min-p and per-request seeds; logprobs of the model's own (unprocessed, unscaled) distribution
+with top-k alternatives, as vLLM reports them by default."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence as Seq
+
+import torch
+
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.core.sequence import Sequence, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top-k, the top-p nucleus and the min-p floor of one row."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Keep a token if the mass before it is below top_p (so the first token always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def _process_row(row: torch.Tensor, seq: Sequence, eos_ids: Seq[int]) -> torch.Tensor:
+    """One request's logits row after its penalties, bias, allowed ids, min_tokens and processors."""
+    p = seq.params
+    out_ids = seq.output_token_ids
+    device = row.device
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), device=device, dtype=row.dtype)
+    if p.allowed_token_ids is not None:
+        keep = torch.full_like(row, float("-inf"))
+        ids = torch.tensor(p.allowed_token_ids, device=device)
+        keep[ids] = row[ids]
+        row = keep
+    if len(out_ids) < p.min_tokens:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+        if banned:
+            row[torch.tensor(banned, device=device)] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(seq.prompt_token_ids + out_ids, device=device).unique()
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and out_ids:
+        counts = torch.bincount(torch.tensor(out_ids, device=device), minlength=row.shape[-1])[: row.shape[-1]]
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    for processor in p.logits_processors:
+        row = processor(out_ids, row)
+    return row
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: Seq[int]) -> torch.Tensor:
+    """`logits` with each processed request's row replaced; the input is left as it was (its
+    rows give the logprobs). Rows of requests that set nothing are not touched."""
+    out = logits.clone()
+    for i, seq in enumerate(seqs):
+        if not seq.params.needs_processing:
+            continue
+        try:
+            row = _process_row(out[i], seq, eos_ids)
+        except Exception:  # noqa: BLE001 - one request's processor must not stop the shared engine loop
+            log.exception("request %s: logits processing failed; sampling unconstrained", seq.request_id)
+            row = logits[i]
+        if torch.isneginf(row).all():
+            # Everything masked (a grammar in an error state): sampling would fail on an empty
+            # distribution, so this row falls back to the model's own and the log says why.
+            log.warning("request %s: logits processing masked every token; sampling unconstrained", seq.request_id)
+            row = logits[i]
+        out[i] = row
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           seqs: list[Sequence] | None = None, eos_ids: Seq[int] = ()) -> torch.Tensor:
+    """One next token per row of `logits` ([N, V] float32). Greedy rows never draw randomness,
+    so a request's output does not depend on what else is in the batch. `seqs` (the rows'
+    sequences) are needed only when a request asks for logits processing."""
+    if seqs is not None and any(p.needs_processing for p in params):
+        logits = process_logits(logits, seqs, eos_ids)
+    tokens = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):  # decided on the host: no device sync
+        return tokens
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        tokens[i] = draw(target_probs(logits[i], p), generators[i])
+    return tokens
+
+
+def target_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled (non-greedy) request draws from: temperature, then the
+    top-k, min-p and top-p filters, over one row of (processed) logits."""
+    return _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One token (a 0-d tensor) from a 1-D distribution that need not sum to one."""
+    # Per-row generator: a seeded request gets the same tokens whatever its batch.
+    if gen is not None and gen.device != probs.device:
+        return torch.multinomial(probs.cpu(), 1, generator=gen).to(probs.device)[0]
+    return torch.multinomial(probs, 1, generator=gen)[0]
+
+
+def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int]) -> list[TokenLogprob]:
+    """Logprob of each chosen token and its `top_n[i]` best alternatives, from the raw logits."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen_lp = logp.gather(1, chosen.view(-1, 1)).squeeze(1).tolist()
+    k = max(top_n, default=0)
+    top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
+    top_vals_l = top_vals.tolist() if k else None
+    top_ids_l = top_ids.tolist() if k else None
+    out = []
+    for i, token in enumerate(chosen.tolist()):
+        top = list(zip(top_ids_l[i][: top_n[i]], top_vals_l[i][: top_n[i]])) if k else []
+        out.append(TokenLogprob(token, chosen_lp[i], top))
+    return out

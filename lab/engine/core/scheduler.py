@@ -1,0 +1,176 @@
+"""Continuous batching: decide, every step, which sequences run and how many tokens each computes.
+
+Per step the scheduler fills a token budget (`max_num_batched_tokens`) with one token per decoding
+sequence and chunks of prompts. A prompt chunk is capped per request
+(`long_prefill_token_threshold`), the number of prompts advancing in one step is capped
+(`max_parallel_prefills`), and at most `max_num_seqs` sequences hold KV blocks. When blocks run
+out, the most recently admitted sequence is preempted: its blocks are freed and it is recomputed
+later (prompt plus the tokens it had generated).
+
+With prompt lookup on, a decoding sequence may carry a draft: its step computes the last known
+token plus the draft tokens (all counted against the budget, all given KV slots), and the model
+runner verifies them. A draft is cut to the budget and dropped before anything is preempted for
+its blocks."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from lab.engine.core.block_manager import BlockManager
+from lab.engine.core.config import EngineConfig
+from lab.engine.core.prompt_lookup import PromptLookup
+from lab.engine.core.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # new tokens computed this step, draft tokens included
+    draft: list[int] = field(default_factory=list)  # proposed tokens verified after the last known one
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # query-length-1 sequences first
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, drafter: PromptLookup | None = None) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.drafter = drafter
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_seq(seq)
+
+    # -- the step plan -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        prefills = 0
+        scheduled_ids: set[int] = set()
+
+        def take_running(want_prefill: bool) -> None:
+            nonlocal budget, prefills
+            i = 0
+            while i < len(self.running) and budget > 0:
+                seq = self.running[i]
+                if seq.seq_id in scheduled_ids or seq.is_prefill != want_prefill:
+                    i += 1
+                    continue
+                if want_prefill and not self._prefill_slot_free(prefills):
+                    return
+                n = self._chunk(seq, budget)
+                draft = self._draft(seq, budget) if not want_prefill else []
+                if draft and not self.blocks.allocate(seq, n + len(draft)):
+                    draft = []
+                elif draft:
+                    n += len(draft)
+                while not draft and not self.blocks.allocate(seq, n):
+                    victim = self.running[-1]
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    continue  # seq preempted itself; the list shifted, keep the same index
+                out.scheduled.append(ScheduledSeq(seq, n, draft))
+                scheduled_ids.add(seq.seq_id)
+                budget -= n
+                prefills += want_prefill
+                i += 1
+
+        def admit_waiting() -> None:
+            nonlocal budget, prefills
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                if not self._prefill_slot_free(prefills):
+                    return
+                seq = self.waiting[0]
+                cached = self.blocks.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+                remaining = seq.num_tokens - len(cached) * self.blocks.block_size
+                n = self._chunk_len(remaining, budget)
+                if not self.blocks.allocate(seq, n, cached):
+                    return  # never preempt running work to admit new work
+                if not seq.admitted:
+                    # Only a first admission counts toward hit statistics and usage.cached_tokens.
+                    self.blocks.record_lookup(seq, len(cached))
+                    seq.num_cached_tokens = len(cached) * self.blocks.block_size
+                    seq.admitted = True
+                    seq.scheduled_time = time.monotonic()
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                scheduled_ids.add(seq.seq_id)
+                budget -= n
+                prefills += 1
+
+        if self.config.schedule_policy == "prefill-first":
+            take_running(want_prefill=True)
+            admit_waiting()
+            take_running(want_prefill=False)
+        else:
+            take_running(want_prefill=False)
+            take_running(want_prefill=True)
+            admit_waiting()
+        # The attention metadata wants single-token queries first.
+        out.scheduled.sort(key=lambda s: s.num_tokens != 1)
+        return out
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        if self.drafter is None or seq.num_pending:
+            return []
+        return self.drafter.propose(seq, budget - 1)
+
+    def _prefill_slot_free(self, prefills: int) -> bool:
+        cap = self.config.max_parallel_prefills
+        return cap == 0 or prefills < cap
+
+    def _chunk_len(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return self._chunk_len(seq.num_remaining, budget)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]

@@ -1,0 +1,50 @@
+"""The exact argv, environment and URLs one boot of an arm uses on a given port."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+
+from lab.engine.core import config as engine_config
+from lab.ladder.ladder import BundledEngine, Ladder
+from lab.ladder.render import ArmSpec, render_command_flags
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    env: dict[str, str]  # set on top of the lab's environment (minus inherited LAB_ENGINE_*)
+    base_url: str  # server root: /health, /v1/stats, /metrics live here
+    api_base: str  # OpenAI root
+    model: str  # the model name requests carry
+    api_key: str | None
+    expected_config_hash: str | None  # bundled only: what /v1/stats must report
+
+
+def launch(ladder: Ladder, arm: ArmSpec, port: int, host: str = HOST) -> Launch:
+    """`host` is the bundled engine's bind address (`lab serve` may serve beyond loopback); a command
+    engine binds where its command template says."""
+    engine = ladder.engine
+    if isinstance(engine, BundledEngine):
+        argv = [sys.executable, "-m", "lab.engine", "serve", "--host", host, "--port", str(port),
+                "--model", engine.model]
+        for name, value in arm.flags.items():
+            knob = engine_config.knob_from_flag(name)
+            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            argv += [engine_config.flag_name(knob or name), text]
+        base = f"http://{host}:{port}"
+        return Launch(argv, dict(arm.env), base, base + "/v1", engine.model, None, arm.config_hash)
+
+    def fill(text: str) -> str:
+        # Only our placeholders: arguments may hold literal JSON braces.
+        values = {"port": str(port), "model": engine.model, "executable": engine.executable or ""}
+        return re.sub(r"\{(port|model|executable)\}", lambda m: values[m.group(1)], text)
+
+    argv = [fill(part) for part in engine.command] + render_command_flags(engine, arm.flags)
+    api_base = fill(engine.base_url).rstrip("/")
+    base_url = api_base[: -len("/v1")] if api_base.endswith("/v1") else api_base
+    return Launch(argv, dict(arm.env), base_url, api_base, engine.served_model_name or engine.model,
+                  engine.api_key, None)

@@ -1,0 +1,168 @@
+"""Checks that a ladder can be run here, made before anything boots.
+
+`lab.ladder.validate` accepts a ladder that is well formed; these checks refuse one that would spend
+its boots and then fail, or hurt the host: a window with no arm to judge, a KEEP metric whose
+`where` does not pick exactly one cell per boot (checked against the cells each instrument
+declares, without running it), a request longer than the engine's context or than the host can
+build in memory, a memory floor above what the host has. They apply to a ladder about to run
+(`lab run`, `--dry-run`), not to a stored ladder read back for a report: a store written on
+another host must stay readable here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from lab.engine.core import config as engine_config
+from lab.engine.model.model_config import PRESETS
+from lab.instruments import REGISTRY
+from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
+from lab.ladder import render
+from lab.ladder.errors import Problem
+from lab.ladder.ladder import BundledEngine, Ladder
+from lab.ladder.yaml_lines import Located, dotted
+
+GIB = 1024**3
+# What the lab holds per prompt token while it builds and sends a prompt: the filler words as
+# Python strings, the joined text, the JSON body and the tokenizer's answer (measured ~60-90).
+CLIENT_BYTES_PER_TOKEN = 100
+
+
+@dataclass(frozen=True)
+class Host:
+    mem_total_bytes: int
+
+    @classmethod
+    def this(cls) -> Host:
+        return cls(int(psutil.virtual_memory().total))
+
+
+def problems(ladder: Ladder, located: Located, host: Host | None) -> list[Problem]:
+    """Everything that stops this ladder from running as written; host checks only with a host."""
+    found = _empty_windows(ladder, located) + _where(ladder, located) + _contexts(ladder, located)
+    if host is not None:
+        found += _host_memory(ladder, located, host)
+    return found
+
+
+def _empty_windows(ladder: Ladder, located: Located) -> list[Problem]:
+    return [Problem(located.line(("windows", w, "name")),
+                    f"window {window.name} has no arms: its boots would measure the control and judge nothing")
+            for w, window in enumerate(ladder.windows) if not window.arms]
+
+
+def _where(ladder: Ladder, located: Located) -> list[Problem]:
+    """Each key metric and gate must select exactly one declared cell per boot."""
+    params = dict(ladder.instruments.sections())
+    refs: list[tuple[tuple[Any, ...], str, dict[str, Any]]] = [
+        (("keep", "metrics", i), ref.metric, ref.where) for i, ref in enumerate(ladder.keep.metric_refs())]
+    refs += [(("keep", "gates", i), gate.metric, gate.where) for i, gate in enumerate(ladder.keep.gates)]
+    found = []
+    for where_path, metric, where in refs:
+        instrument, _, name = metric.partition(".")
+        declare = getattr(REGISTRY.get(instrument), "cell_params", None)
+        if instrument not in params or declare is None:
+            continue  # an unknown metric is validate's to refuse; an undeclaring instrument is not checked
+        cells = declare(REGISTRY[instrument](), params[instrument]).get(name)
+        if cells is None:
+            continue
+        label = f"{dotted(where_path)}: {metric}"
+        keys = sorted({key for cell in cells for key in cell})
+        unknown = [key for key in where if key not in keys]
+        if unknown:
+            has = f"its cells have {', '.join(keys)}" if keys else "its cells have no params"
+            found.append(Problem(located.line(where_path + ("where", unknown[0])),
+                                 f"{label}: unknown where key {unknown[0]!r} ({has})"))
+            continue
+        matching = [cell for cell in cells if all(key in cell and cell[key] == value for key, value in where.items())]
+        if len(matching) == 1:
+            continue
+        line = located.line(where_path + ("where",)) if where else located.line(where_path)
+        if not matching:
+            found.append(Problem(line, f"{label}: where {_shown(where)} matches no cell ({_choices(cells)})"))
+        else:
+            found.append(Problem(line, f"{label}: {'where ' + _shown(where) if where else 'no where'} matches "
+                                       f"{len(matching)} cells per boot; pick one with where "
+                                       f"({_choices(matching)})"))
+    return found
+
+
+def _shown(where: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{key}: {value!r}" for key, value in where.items()) + "}"
+
+
+def _choices(cells: Sequence[dict[str, Any]]) -> str:
+    keys = sorted({key for cell in cells for key in cell})
+    parts = []
+    for key in keys:
+        values = sorted({cell[key] for cell in cells if key in cell}, key=lambda v: (str(type(v)), v))
+        parts.append(f"{key}: {', '.join(repr(v) if isinstance(v, str) else f'{v:g}' for v in values)}")
+    return "; ".join(parts) if parts else "one cell, no params"
+
+
+def _requests(ladder: Ladder) -> list[tuple[tuple[Any, ...], str, int]]:
+    """(ladder path, field, tokens) of the longest request each instrument sends."""
+    found = []
+    for name, params in ladder.instruments.sections():
+        declare = getattr(REGISTRY[name], "prompt_tokens", None)
+        if declare is None:
+            continue
+        for field, tokens in declare(REGISTRY[name](), params).items():
+            found.append((("instruments", name, field), f"instruments.{name}.{field}", tokens))
+    return found
+
+
+def _contexts(ladder: Ladder, located: Located) -> list[Problem]:
+    """Requests longer than the context of a bundled boot: every such cell would be spent invalid."""
+    engine = ladder.engine
+    if not isinstance(engine, BundledEngine):
+        return []  # a command engine's context is not known before it boots
+    boots = [(None, "the base engine")] + [(arm, f"arm {arm.name}") for window in ladder.windows
+                                           for arm in window.arms]
+    found: list[Problem] = []
+    for path, field, tokens in _requests(ladder):
+        for arm, who in boots:
+            context = _context(ladder, arm)
+            if context is not None and tokens > context:
+                found.append(Problem(located.line(path), f"{field}: a request of {tokens:,} tokens does not fit "
+                                                         f"the context of {context:,} that {who} boots with"))
+                break
+    return found
+
+
+def _context(ladder: Ladder, arm: Any) -> int | None:
+    """The bundled engine's context for this arm (its max-model-len, or its model's), when known
+    without loading the model; None for a model file or directory."""
+    engine = ladder.engine
+    assert isinstance(engine, BundledEngine)
+    flags, env = render.merged(ladder, arm)
+    try:
+        config = render.bundled_config(engine, flags, env)
+    except engine_config.ConfigError:
+        return None  # refused by validate already, at the knob's line
+    if config.max_model_len:
+        return config.max_model_len
+    preset = config.model.removeprefix(RANDOM_WEIGHTS_SOURCE)
+    model = PRESETS.get(preset)
+    return model.max_position_embeddings if model is not None else None
+
+
+def _host_memory(ladder: Ladder, located: Located, host: Host) -> list[Problem]:
+    found = []
+    floor = ladder.hygiene.min_mem_available_gib
+    if floor * GIB > host.mem_total_bytes:
+        found.append(Problem(located.line(("hygiene", "min_mem_available_gib")),
+                             f"hygiene.min_mem_available_gib: {floor:g} GiB is more than this host has "
+                             f"({host.mem_total_bytes / GIB:.1f} GiB in all); no boot could start"))
+    for path, field, tokens in _requests(ladder):
+        need = tokens * CLIENT_BYTES_PER_TOKEN
+        if need > host.mem_total_bytes / 2:
+            found.append(Problem(located.line(path), f"{field}: a request of {tokens:,} tokens needs about "
+                                                     f"{need / GIB:,.0f} GiB in the lab to build, more than half "
+                                                     f"this host's {host.mem_total_bytes / GIB:.1f} GiB"))
+    return found
+

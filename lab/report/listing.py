@@ -1,0 +1,107 @@
+"""Tables for people: runs in a store, one run's arms and boots, a ladder's planned boots."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from lab.instruments.capabilities import summary
+from lab.ladder.render import Plan
+from lab.store import reader
+from lab.store.db import Store
+
+STATUS_STYLE = {"done": "green", "running": "yellow", "ready": "yellow", "starting": "yellow", "pending": "dim"}
+TAIL_LINES = 8
+
+
+def _status(text: str) -> str:
+    return f"[{STATUS_STYLE.get(text, 'red')}]{text}[/]"
+
+
+def _change(change: dict) -> str:
+    return ", ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                     for part in ("flags", "env") for k, v in change.get(part, {}).items()) or "-"
+
+
+def print_runs(console: Console, store: Store) -> None:
+    runs = reader.list_runs(store)
+    if not runs:
+        console.print("no runs in this store yet; start one with `lab run LADDER.yaml`")
+        return
+    table = Table("id", "name", "ladder", "engine", "started", "status", "slots", "boots ok", "boots failed")
+    for r in runs:
+        table.add_row(str(r.id), r.name, r.ladder, r.engine_kind, f"{r.created_at:%Y-%m-%d %H:%M}", _status(r.status),
+                      str(r.slots), str(r.boots_ok), str(r.boots_failed))
+    console.print(table)
+
+
+def print_run(console: Console, store: Store, ref: str) -> None:
+    run = reader.find_run(store, ref)
+    console.print(f"[bold]{run.name}[/] (id {run.id}) · ladder {run.ladder_name} sha256 {run.ladder_sha256[:12]} · "
+                  f"{run.engine_kind} engine · {_status(run.status)}"
+                  + (f" ({escape(run.reason)})" if run.reason else "") + f" · logs {run.logs_dir}")
+    arms = Table("arm", "window", "role", "change", "config hash", title="arms", title_justify="left")
+    for arm in reader.arms(store, run.id):
+        arms.add_row(arm.name, arm.window, arm.role, escape(_change(arm.change)), arm.config_hash)
+    console.print(arms)
+    boots = Table("slot", "window", "arm", "role", "try", "status", "cold", "ready s", "exit", "stop", "cells",
+                  "reason", title="boots", title_justify="left")
+    health = reader.cell_health(store, run.id)
+    failed, probed = [], []
+    for slot in reader.slots(store, run.id):
+        role = slot.role if slot.role != "control" else f"control/{slot.position}"
+        if not slot.boots:
+            boots.add_row(str(slot.idx), slot.window or "-", slot.arm.name, role, "-", _status("pending"), "", "", "",
+                          "", "", "")
+        for boot in slot.boots:
+            probed.append((slot, boot))
+            boots.add_row(str(slot.idx), slot.window or "-", slot.arm.name, role, str(boot.attempt),
+                          _status(boot.status), "cold" if boot.cold else "",
+                          f"{boot.ready_s:.1f}" if boot.ready_s is not None else "",
+                          "" if boot.exit_status is None else str(boot.exit_status), boot.stopped_by or "",
+                          _cells(health.get(boot.id)), escape(boot.reason or ""))
+            if boot.status not in ("done", "starting", "ready") and boot.log_tail:
+                failed.append((slot, boot))
+    console.print(boots)
+    _print_capabilities(console, probed)
+    for slot, boot in failed:
+        tail = "\n".join(boot.log_tail.rstrip().splitlines()[-TAIL_LINES:])
+        console.print(f"[bold]{slot.idx:02d} {slot.arm.name}[/] try {boot.attempt}, {boot.log_path}:", highlight=False)
+        console.print(escape(tail), style="dim", highlight=False)
+
+
+def _print_capabilities(console: Console, boots: list) -> None:
+    """What the capability probe found, once per distinct finding with the boots that share it."""
+    found: dict[str, list[str]] = {}
+    for slot, boot in boots:
+        line = summary(boot.capabilities) or "not probed (the boot never answered)"
+        found.setdefault(line, []).append(f"{slot.idx:02d}" + (f"/{boot.attempt}" if boot.attempt > 1 else ""))
+    if not boots:
+        return
+    console.print("[bold]capabilities[/] (probed at each boot's ready)")
+    for line, which in found.items():
+        console.print(f"  boots {', '.join(which)}: {escape(line)}", highlight=False)
+
+
+def _cells(health: reader.CellHealth | None) -> str:
+    """`41 valid`, or `41 valid, 4 invalid (3: the response carried no usage)`: why a boot that is
+    done still judges nothing."""
+    if health is None:
+        return ""
+    if not health.invalid:
+        return f"{health.valid} valid"
+    why = f" ({health.top_count}: {escape(health.top_reason)})" if health.top_reason else ""
+    return f"{health.valid} valid, [red]{health.invalid} invalid[/]{why}"
+
+
+def print_plan(console: Console, plan: Plan) -> None:
+    table = Table("slot", "window", "arm", "role", "position", "change", "config hash")
+    arms = {a.name: a for a in plan.arms}
+    for slot in plan.slots:
+        arm = arms[slot.arm]
+        table.add_row(str(slot.idx), slot.window or "-", slot.arm, slot.role, slot.position,
+                      escape(_change(arm.change)), arm.config_hash)
+    console.print(table)

@@ -1,0 +1,81 @@
+"""`lab calibrate LADDER`: measure how much a ladder's key metrics move when nothing changes.
+
+It runs the ladder's control alone, booted again and again in one window after a warm-up boot
+(A/A: C C C C …, the same instruments and host hygiene as the ladder), and treats every control between two
+others as an arm that changes nothing: its effect is the log ratio against its neighbours
+interpolated at its place, exactly as `lab.analysis.effects` judges a real arm boot. The spread of those
+A/A effects is the boot-to-boot noise of each key metric on this host; with it the store keeps the
+widest drift among the controls and the minimum detectable effect at the ladder's own `repeats:`.
+`lab.analysis.verdicts` uses the newest calibration of a ladder on the host its run booted on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lab.analysis import effects, verdicts
+from lab.analysis.stats import median_of_repeats, noise_band
+from lab.ladder.validate import load_ladder, parse_ladder
+from lab.runner.run import create_from_text
+from lab.store import models as m
+from lab.store import reader, writer
+from lab.store.db import Store
+
+log = logging.getLogger("lab.calibrate")
+MIN_BOOTS = 3  # two controls bracket the third: one A/A effect
+
+
+def create(store: Store, ladder_path: str | Path, boots: int, name: str | None,
+           runs_dir: str | Path = "runs") -> tuple[m.Run, int]:
+    """Validate the ladder, then store the A/A run (its control booted `boots` times in one window);
+    returns the run and the ladder's own `repeats:`, which the minimum detectable effect is for."""
+    if boots < MIN_BOOTS:
+        raise ValueError(f"--boots {boots}: a calibration needs at least {MIN_BOOTS} (each inner boot is "
+                         "judged against the two around it)")
+    ladder, text = load_ladder(ladder_path)
+    data = yaml.safe_load(text)
+    first = ladder.windows[0]
+    data["windows"] = [{"name": "AA", "control": first.control_name}]
+    data["repeats"] = boots - 1  # a window with no arms boots its control repeats + 1 times
+    data.setdefault("keep", {})["gates"] = []  # gates judge arms; there are none
+    # A cold boot is no sample of warm noise: warm the caches once, unmeasured, with the control.
+    data["hygiene"] = {**(data.get("hygiene") or {}), "warmup_boot": True}
+    description = f"A/A calibration of {ladder.name} ({Path(ladder_path).name}), {boots} control boots"
+    data["description"] = description
+    derived = f"# {description}; the ladder's repeats: {ladder.repeats}\n" + yaml.safe_dump(data, sort_keys=False)
+    run = create_from_text(store, parse_ladder(derived, f"{ladder_path} (calibration)"), derived, ladder_path,
+                           name, runs_dir, stem=f"{ladder.name}-calibration")
+    return run, ladder.repeats
+
+
+def measure(store: Store, run_id: int, repeats: int, power: float = effects.POWER) -> list[dict[str, Any]]:
+    """The noise model of a finished calibration run, stored and returned (one row per key metric)."""
+    evidence = verdicts.load(store, run_id)
+    controls = [s for s in evidence.slots if s.role == "control" and s.measured and not s.cold]
+    rows = []
+    for selector in evidence.spec.metrics:
+        placed = []
+        for slot in controls:
+            found = evidence.select(slot, selector)
+            if found.values:
+                placed.append((float(slot.idx), median_of_repeats(found.values)))
+        if len(placed) < MIN_BOOTS or min(v for _, v in placed) <= 0:
+            log.warning("%s: %d usable warm control boots; no noise model", selector.label, len(placed))
+            continue
+        aa = [math.log(placed[i][1] / effects.interpolate([placed[i - 1], placed[i + 1]], placed[i][0]))
+              for i in range(1, len(placed) - 1)]
+        # The true A/A effect is 0, so every one of them is a degree of freedom.
+        sd = math.sqrt(sum(e * e for e in aa) / len(aa))
+        values = [v for _, v in placed]
+        rows.append({"metric": selector.label, "boots": len(placed), "sd_log": sd, "df": len(aa),
+                     "drift_pct": noise_band(max(values), min(values)) * 100,
+                     "mde_pct": effects.mde_pct(sd, repeats, len(aa) + repeats - 1, power=power),
+                     "repeats": repeats, "power": power})
+    writer.write_noise(store, run_id=run_id, ladder_name=evidence.ladder.name,
+                       host=reader.boot_host(store, run_id) or "", rows=rows)
+    return rows

@@ -1,0 +1,204 @@
+"""`lab run`: plan a ladder into the store, then boot its slots in order; `--resume` finishes a run.
+
+The store is the source of truth for what is left: a run resumes from its stored ladder text,
+re-derives the same plan, stops any engine a killed `lab run` left behind, and boots every slot
+still pending, running only the instrument steps that slot has not stored yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from lab.analysis import verdicts
+from lab.instruments import REGISTRY
+from lab.ladder import render
+from lab.ladder.ladder import Ladder
+from lab.ladder.validate import load_ladder, parse_ladder
+from lab.runner import boot as engine_boot
+from lab.runner import fingerprint
+from lab.runner.slot import Interrupted, RunContext, run_slot
+from lab.store import models as m
+from lab.store import reader, writer
+from lab.store.db import Store
+
+log = logging.getLogger("lab.run")
+
+
+class RunError(RuntimeError):
+    """The run cannot go on; one line a person can act on."""
+
+
+@dataclass
+class Outcome:
+    run_id: int
+    name: str
+    boots: dict[str, int] = field(default_factory=dict)  # final status -> count, this invocation
+    measured_done: int = 0  # boots of this invocation that finished and were measured (not warm-ups)
+    failures: list[str] = field(default_factory=list)
+
+
+def create(store: Store, ladder_path: str | Path, name: str | None = None, runs_dir: str | Path = "runs") -> m.Run:
+    """Validate the ladder and store the run with its arms and planned slots."""
+    ladder, text = load_ladder(ladder_path)
+    return create_from_text(store, ladder, text, ladder_path, name, runs_dir)
+
+
+def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str | Path, name: str | None,
+                     runs_dir: str | Path, stem: str | None = None) -> m.Run:
+    """Store a run of a ladder already validated from `text` (a calibration derives its own)."""
+    plan = render.plan(ladder)
+    taken = {r.name for r in reader.list_runs(store)}
+    if name is not None and name in taken:
+        raise RunError(f"a run named {name!r} exists; resume it with `lab run --resume {name}` or pick another --name")
+    if name is None:
+        stem = name = f"{stem or ladder.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        n = 1
+        while name in taken:  # two runs of one ladder within a second
+            n += 1
+            name = f"{stem}-{n}"
+    logs_dir = (Path(runs_dir) / name).resolve()
+    run_id = writer.create_run(store, name=name, ladder_name=ladder.name, ladder_path=str(Path(ladder_path).resolve()),
+                               ladder_text=text, sha256=hashlib.sha256(text.encode()).hexdigest(),
+                               engine_kind=ladder.engine.kind, logs_dir=str(logs_dir), plan=plan)
+    return reader.find_run(store, str(run_id))
+
+
+def execute(store: Store, run: m.Run, console: Console) -> Outcome:
+    """Boot every pending slot of the run in order; marks the run done, interrupted on Ctrl-C/SIGTERM,
+    or failed with the reason when an exception ends it."""
+    try:
+        return _execute(store, run, console)
+    except RunError:
+        raise  # refused before it started (another process owns it, another plan): nothing to mark
+    except Exception as exc:
+        # A bug or an exhausted host, not a request to stop: say so in the store, never "running".
+        reason = _one_line(exc)
+        log.exception("run %s failed", run.name)
+        writer.set_run_status(store, run.id, "failed", reason)
+        raise RunError(f"run {run.name} failed: {reason}; `lab run --resume {run.name}` retries what is "
+                       "left") from exc
+
+
+def _execute(store: Store, run: m.Run, console: Console) -> Outcome:
+    ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
+    plan = render.plan(ladder)
+    slots = reader.slots(store, run.id)
+    _check_plan(run, plan, slots, reader.arms(store, run.id))
+    _claim(store, run)
+    _stop_left_behind(store, run, ladder.engine.stop_grace_s)
+    rc = RunContext(store=store, run_id=run.id, run_name=run.name, logs_dir=Path(run.logs_dir), ladder=ladder,
+                    plan=plan, fingerprint=fingerprint.collect(),
+                    instruments={name: REGISTRY[name]() for name, _ in ladder.instruments.sections()})
+    pending = [s for s in slots if s.status == "pending"]
+    outcome = Outcome(run.id, run.name)
+    writer.set_run_status(store, run.id, "running")
+    columns = (SpinnerColumn(), TextColumn("[bold]{task.fields[boot]}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.description}"))
+    with _stop_on_sigterm(), Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("", total=len(pending), boot="boots")
+        rc.status = lambda text: progress.update(task, description=text)
+        try:
+            for slot in pending:
+                status = run_slot(rc, slot)
+                outcome.boots[status] = outcome.boots.get(status, 0) + 1
+                outcome.measured_done += status == "done" and slot.role != "warmup"
+                label = f"{slot.idx:02d} {slot.arm.name}" + (f" ({slot.position})" if slot.role != "arm" else "")
+                if status != "done":
+                    outcome.failures.append(f"{label}: {status}")
+                progress.console.print(f"{'✓' if status == 'done' else '✗'} {label}: {status}")
+                if slot.position == "close" and slot.window:
+                    # The window is complete: judge its arms now, so the store holds verdicts even if
+                    # a later window is interrupted.
+                    for arm, verdict in verdicts.judge_run(store, run.id, slot.window).items():
+                        progress.console.print(f"  KEEP {arm}: [bold]{verdict.decision}[/] "
+                                               f"({escape(verdict.reasons[0])})")
+                progress.advance(task)
+        except (Interrupted, KeyboardInterrupt):
+            writer.set_run_status(store, run.id, "interrupted")
+            raise Interrupted(run.name) from None
+        except Exception:
+            raise  # execute() records it as the run's failure
+        except BaseException:
+            writer.set_run_status(store, run.id, "interrupted")
+            raise
+        progress.update(task, description="finished")
+    writer.set_run_status(store, run.id, "done")
+    return outcome
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
+
+
+def resume(store: Store, ref: str) -> m.Run:
+    run = reader.find_run(store, ref)
+    if run.status == "done" and all(s.status != "pending" for s in reader.slots(store, run.id)):
+        raise RunError(f"run {run.name} is already complete; `lab ls {run.name}` shows it")
+    return run
+
+
+def _check_plan(run: m.Run, plan: render.Plan, slots: list[m.Slot], arms: list[m.Arm]) -> None:
+    """A resumed run must plan exactly what was stored, or its cells would not line up."""
+    stored = [(s.idx, s.arm.name, s.role, s.position, s.window) for s in slots]
+    planned = [(s.idx, s.arm, s.role, s.position, s.window) for s in plan.slots]
+    hashes = {a.name: a.config_hash for a in arms}
+    if stored != planned or hashes != {a.name: a.config_hash for a in plan.arms}:
+        raise RunError(f"run {run.name} was planned differently by an earlier lab version; start a new run instead")
+
+
+def _claim(store: Store, run: m.Run) -> None:
+    """Refuse a run another live `lab run` is working on; otherwise take it over."""
+    if run.owner_pid is not None and run.owner_pid != os.getpid():
+        try:
+            owner = psutil.Process(run.owner_pid)
+            if run.owner_started is not None and abs(owner.create_time() - run.owner_started) < 0.01:
+                raise RunError(f"run {run.name} is still running in process {run.owner_pid}; "
+                               "let it finish, or stop it before resuming")
+        except psutil.Error:
+            pass  # that process is gone: the run is ours to finish
+    me = psutil.Process()
+    writer.claim_run(store, run.id, me.pid, me.create_time())
+
+
+def _stop_left_behind(store: Store, run: m.Run, grace_s: float) -> None:
+    """Engines of a `lab run` that was killed outright: stop their process groups, mark them interrupted."""
+    for boot in reader.live_boots(store, run.id):
+        stopped = boot.pid is not None and engine_boot.stop_orphan(boot.pid, boot.pid_started, grace_s)
+        if stopped:
+            log.info("stopped engine pid %d left running by an interrupted run", boot.pid)
+        tail = engine_boot.log_tail(Path(boot.log_path)) if boot.log_path else None
+        writer.update_boot(store, boot.id, status="interrupted", reason="lab run was killed during this boot",
+                           log_tail=tail)
+
+
+@contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM to `lab run` stops the engine it owns and leaves the run resumable, like Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the engine's stop short
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,320 @@
+"""One planned boot of a run, start to finish: hygiene gate, boot, check, measure, stop, record.
+
+Every way a boot can end is stored as an outcome: `done`; `failed` (memory gate not met, engine
+exited or never answered before the ready timeout); `refused` (it booted a config other than the
+arm's); `died` (the engine exited while instruments ran). Only an interrupted `lab run` leaves a
+slot pending, for `lab run --resume` to boot again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from lab.instruments import capabilities
+from lab.instruments.base import BootContext, Instrument
+from lab.instruments.receipt import Receipt
+from lab.ladder import launch as arm_launch
+from lab.ladder.ladder import BundledEngine, Ladder
+from lab.ladder.render import Plan
+from lab.runner import boot as engine_boot
+from lab.runner.fingerprint import engine_version
+from lab.runner.hygiene import wait_for_memory
+from lab.runner.mem_sampler import MemSampler
+from lab.store import models as m
+from lab.store import reader, writer
+from lab.store.db import Store
+from lab.store.records import Cell, StepResult
+from lab.store.stored_rows import StoredRows
+
+log = logging.getLogger("lab.run")
+# How long an engine gets to show its exit after a step whose requests failed (see alive_after).
+DEATH_GRACE_S = 2.0
+# The capability probe's large request when no instrument declares a longer one.
+MIN_PROBE_PROMPT = 64
+
+
+class Interrupted(BaseException):
+    """`lab run` was asked to stop (Ctrl-C or SIGTERM); the slot stays pending for --resume."""
+
+
+@dataclass
+class RunContext:
+    store: Store
+    run_id: int
+    run_name: str
+    logs_dir: Path
+    ladder: Ladder
+    plan: Plan
+    fingerprint: dict[str, Any]
+    instruments: dict[str, Instrument]
+    status: Callable[[str], None] = field(default=lambda text: None)
+
+
+def log_path(rc: RunContext, slot: m.Slot, attempt: int) -> Path:
+    suffix = f"-{slot.position}" if slot.role != "arm" else ""
+    again = f"-a{attempt}" if attempt > 1 else ""
+    return rc.logs_dir / "boots" / f"{slot.idx:02d}-{slot.arm.name}{suffix}{again}.log"
+
+
+def run_slot(rc: RunContext, slot: m.Slot) -> str:
+    """Boot and measure one slot; returns the boot's final status."""
+    label = f"{slot.window or 'warm-up'} {slot.arm.name}" + (f" ({slot.position})" if slot.role == "control" else "")
+    engine = rc.ladder.engine
+    hygiene = rc.ladder.hygiene
+    rc.status(f"{label}: checking host memory")
+    gate = wait_for_memory(hygiene.min_mem_available_gib, hygiene.mem_wait_s,
+                           on_wait=lambda avail, waited: rc.status(
+                               f"{label}: waiting for MemAvailable ≥ {hygiene.min_mem_available_gib:g} GiB "
+                               f"({avail / 2**30:.1f} GiB, {waited:.0f} s)"))
+    arm = rc.plan.arm(slot.arm.name)
+    port = engine_boot.free_port()
+    spec = arm_launch.launch(rc.ladder, arm, port)
+    env, removed = engine_boot.child_env(spec.env)
+    boot_id, attempt = writer.start_boot(
+        rc.store, run_id=rc.run_id, slot_id=slot.id, port=port, argv=spec.argv, env=spec.env, env_removed=removed,
+        api_base=spec.api_base, expected_config_hash=spec.expected_config_hash, mem_available_start=gate.mem_available,
+        fingerprint=rc.fingerprint)
+    if not gate.ok:
+        return _fail(rc, slot, boot_id, "failed", gate.reason, None)
+
+    path = log_path(rc, slot, attempt)
+    proc = engine_boot.EngineProcess(spec.argv, env, path)
+    sampler = MemSampler().start()
+    at_ready: dict[str, Any] | None = None  # /v1/stats at ready, once the boot passed its check
+    rc.status(f"{label}: starting")
+    try:
+        try:
+            proc.start()
+        except OSError as exc:  # the engine's executable is missing or not runnable
+            return _fail(rc, slot, boot_id, "failed", f"cannot start {spec.argv[0]}: {exc.strerror or exc}", None,
+                         sampler)
+        writer.update_boot(rc.store, boot_id, pid=proc.pid, pid_started=proc.create_time(), log_path=str(path))
+        ready = proc.wait_ready(spec.api_base, spec.model, spec.api_key, engine.ready_timeout_s,
+                                on_poll=lambda t, last: rc.status(f"{label}: waiting for a completion ({t:.0f} s)"))
+        if not ready.ok:
+            return _fail(rc, slot, boot_id, "failed", ready.reason, proc, sampler)
+        refusal, stats, cold = _check(rc, proc, spec)
+        writer.update_boot(rc.store, boot_id, ready_at=writer.now(), ready_s=ready.seconds, cold=cold,
+                           reason=_cold_reason((stats or {}).get("caches_built")) if cold else None,
+                           booted_config_hash=stats.get("config_hash") if stats else None, engine_stats=stats,
+                           status="ready")
+        if refusal:
+            return _fail(rc, slot, boot_id, "refused", refusal, proc, sampler)
+        rc.status(f"{label}: probing what the engine can do")
+        caps = _probe(rc, spec, boot_id, slot)
+        fields: dict[str, Any] = {"capabilities": caps}
+        if not isinstance(engine, BundledEngine):  # the bundled engine is the lab's own version
+            fields["fingerprint"] = {**rc.fingerprint, "engine": engine_version(spec.argv, spec.base_url)}
+        writer.update_boot(rc.store, boot_id, **fields)
+        if not caps.get("answered"):
+            large = caps.get("largest_prompt", {}).get("tokens")
+            return _fail(rc, slot, boot_id, "failed", f"not ready: a {large}-token prompt (the ladder's largest) "
+                         f"was not answered: {caps.get('error')}", proc, sampler)
+        at_ready = stats
+        log.info("%s ready in %.1f s%s", label, ready.seconds, " (cold)" if cold else "")
+        if slot.role != "warmup":
+            died = _measure(rc, slot, boot_id, attempt, spec, proc, sampler, label, caps)
+            if died:
+                return _fail(rc, slot, boot_id, "died", died, proc, sampler)
+        rc.status(f"{label}: stopping")
+        _recheck_cold(rc, proc, spec, boot_id, at_ready, label)
+        stopped = proc.stop(engine.stop_grace_s)
+        sampler.stop()
+        writer.update_boot(rc.store, boot_id, status="done", stopped_at=writer.now(), exit_status=stopped.exit_status,
+                           stopped_by=stopped.stopped_by, mem_available_floor=sampler.floor_bytes())
+        writer.set_slot_status(rc.store, slot.id, "done")
+        return "done"
+    except BaseException as exc:
+        if at_ready is not None:
+            # The cells this boot stored count after `lab run --resume`, so record whether they are cold.
+            try:
+                _recheck_cold(rc, proc, spec, boot_id, at_ready, label, timeout_s=5.0)
+            except Exception as recheck_error:
+                log.warning("%s: could not recheck whether the boot built a cache: %s", label, recheck_error)
+        stopped = proc.stop(engine.stop_grace_s) if proc.proc is not None else None
+        sampler.stop()
+        writer.update_boot(rc.store, boot_id, status="interrupted", reason=f"lab run stopped: {type(exc).__name__}",
+                           stopped_at=writer.now(), exit_status=stopped and stopped.exit_status,
+                           stopped_by=stopped and stopped.stopped_by, log_tail=proc.log_tail(),
+                           mem_available_floor=sampler.floor_bytes())
+        raise
+
+
+def _check(rc: RunContext, proc: engine_boot.EngineProcess,
+           spec: arm_launch.Launch) -> tuple[str | None, dict[str, Any] | None, bool]:
+    """(refusal reason or None, engine stats, cold) for a boot that just answered its first completion."""
+    warmed_before = reader.any_ready_boot(rc.store, rc.run_id)
+    if isinstance(rc.ladder.engine, BundledEngine):
+        status, stats = proc.get_json(f"{spec.base_url}/v1/stats")
+        if status != 200 or not isinstance(stats, dict):
+            return f"cannot check what booted: /v1/stats answered {status or 'nothing'}", None, not warmed_before
+        booted = stats.get("config_hash")
+        if booted != spec.expected_config_hash:
+            refusal = f"booted config hash {booted} != expected {spec.expected_config_hash}"
+            return refusal, stats, bool(stats.get("cold"))
+        cold = stats["cold"] if isinstance(stats.get("cold"), bool) else not warmed_before
+        return None, stats, cold
+    # No hash to compare for other engines: the stored argv and env are the receipt. Nothing says
+    # what they built, so their JIT caches are taken as cold on the first boot of a run, which reads
+    # several percent slow.
+    status, models = proc.get_json(f"{spec.api_base}/models", spec.api_key)
+    return None, {"v1_models": models} if status == 200 else None, not warmed_before
+
+
+def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: m.Slot) -> dict[str, Any]:
+    """The capability probe's findings for this boot, with the ladder's largest prompt."""
+    largest = MIN_PROBE_PROMPT
+    for name, params in rc.ladder.instruments.sections():
+        declare = getattr(rc.instruments[name], "prompt_tokens", None)
+        if declare is not None:
+            largest = max(largest, *declare(params).values())
+    endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key)
+    salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
+    try:
+        ask_eos = any(name == "decode" for name, _ in rc.ladder.instruments.sections())
+        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, ask_eos))
+    except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
+        caps = {"answered": False, "largest_prompt": {"tokens": largest}, "error": f"{type(exc).__name__}: {exc}"}
+    log.info("capabilities: %s", capabilities.summary(caps))
+    return caps
+
+
+def _recheck_cold(rc: RunContext, proc: engine_boot.EngineProcess, spec: arm_launch.Launch, boot_id: int,
+                  at_ready: dict[str, Any] | None, label: str, timeout_s: float = 30.0) -> None:
+    """Read a bundled engine's /v1/stats once more before it stops: Triton compiles a kernel at the
+    first use of a new specialization, so a boot may build a cache while it is measured, and its
+    figures are then cold. Stores what was built by now in the engine stats
+    (`caches_built_before_stop`) and, when anything was built after ready, the cold flag and why."""
+    if not isinstance(rc.ladder.engine, BundledEngine) or at_ready is None:
+        return
+    status, now = proc.get_json(f"{spec.base_url}/v1/stats", timeout_s=timeout_s)
+    built = now.get("caches_built") if status == 200 and isinstance(now, dict) else None
+    if not isinstance(built, list):
+        log.warning("%s: /v1/stats answered %s before stop; the boot's cold flag is the one read at ready",
+                    label, status or "nothing")
+        return
+    fields: dict[str, Any] = {"engine_stats": {**at_ready, "caches_built_before_stop": built}}
+    by_ready = at_ready.get("caches_built") or []
+    after = _built_since(by_ready, built)
+    if after:
+        fields.update(cold=True, reason=_cold_reason(by_ready, after))
+        log.info("%s built %s after ready: cold", label, _describe(after))
+    writer.update_boot(rc.store, boot_id, **fields)
+
+
+def _cold_reason(by_ready: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None = None) -> str:
+    """Why a boot is cold, for `lab ls`: the caches a bundled engine built by ready and after it
+    (`caches_built` lists of /v1/stats); with neither, the first-boot rule of command engines."""
+    parts = ([f"{_describe(by_ready)} by ready"] if by_ready else []) + \
+        ([f"{_describe(after)} after ready"] if after else [])
+    return "cold: built " + "; ".join(parts) if parts else "cold: first boot of the run (its JIT caches start empty)"
+
+
+def _built_since(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The part of `now` that `before` did not have yet (both /v1/stats `caches_built` lists)."""
+    earlier = {entry["cache"]: entry for entry in before}
+    since = []
+    for entry in now:
+        old = earlier.get(entry["cache"])
+        if old is None:
+            since.append(entry)
+        elif entry.get("entries_added", 0) > old.get("entries_added", 0):
+            since.append({**entry, "entries_added": entry["entries_added"] - old["entries_added"]})
+    return since
+
+
+def _describe(built: list[dict[str, Any]]) -> str:
+    """E.g. `the weights cache, 14 entries of the triton cache`."""
+    words = []
+    for entry in built:
+        added = entry.get("entries_added")
+        what = f"the {entry['cache']} cache"
+        words.append(what if added is None else f"{added} {'entry' if added == 1 else 'entries'} of {what}")
+    return ", ".join(words)
+
+
+def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm_launch.Launch,
+             proc: engine_boot.EngineProcess, sampler: MemSampler, label: str,
+             caps: dict[str, Any]) -> str | None:
+    """Run every instrument step not yet stored for this slot; the reason if the engine died. An
+    instrument that cannot measure this engine (capabilities.refusal) sends nothing: its steps are
+    stored with the reason, and every cell it would have written is stored invalid with it."""
+    done = reader.stored_steps(rc.store, slot.id)
+    controls = reader.warm_control_boots(rc.store, rc.run_id, slot.window or "", slot.idx)
+    salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/{attempt}/{boot_id}".encode()).hexdigest()[:12]
+    for name, params in rc.ladder.instruments.sections():
+        instrument = rc.instruments[name]
+        ctx = BootContext(base_url=spec.base_url, api_base=spec.api_base, model=spec.model, api_key=spec.api_key,
+                          run_id=rc.run_id, run_name=rc.run_name, slot_id=slot.id, boot_id=boot_id,
+                          arm=slot.arm.name, window=slot.window, role=slot.role,  # type: ignore[arg-type]
+                          position=slot.position, salt=salt,  # type: ignore[arg-type]
+                          engine_kind=rc.ladder.engine.kind, params=params, stored=StoredRows(rc.store),
+                          control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
+                          log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps)
+        refused = capabilities.refusal(name, caps)
+        for n, step in enumerate(instrument.plan(params)):
+            if (name, step.key) in done:
+                continue
+            if refused:
+                why = f"refused at the capability probe: {refused}"
+                writer.write_step(rc.store, slot_id=slot.id, boot_id=boot_id, instrument=name, step=step,
+                                  result=_refused_cells(instrument, params, why) if n == 0 else None, error=why,
+                                  started_at=writer.now())
+                continue
+            rc.status(f"{label}: {name} {step.key}")
+            started = writer.now()
+            try:
+                result, error = asyncio.run(instrument.run_step(ctx, step)), None
+            except Exception as exc:  # an instrument's failure is recorded on its step; the boot goes on
+                result, error = None, f"{type(exc).__name__}: {exc}"
+            # A failed request may be the engine going away: then give its exit a moment to show.
+            failed = error is not None or (result is not None and any(_may_be_gone(r) for r in result.receipts))
+            alive = proc.alive_after(DEATH_GRACE_S) if failed else proc.alive()
+            died = None if alive else f"engine exited with status {proc.exit_status()} during {name} {step.key}"
+            if error and died:
+                return died  # the step failed because the engine went away: not the instrument's result
+            if error:
+                log.warning("%s: %s %s failed: %s", label, name, step.key, error)
+            writer.write_step(rc.store, slot_id=slot.id, boot_id=boot_id, instrument=name, step=step, result=result,
+                              error=error, started_at=started)
+            if died:
+                return died
+    return None
+
+
+def _refused_cells(instrument: Instrument, params: Any, why: str) -> StepResult:
+    """An invalid cell with the reason for every cell the instrument would have stored per boot,
+    so a verdict or `lab ls` that looks for them finds why they have no value."""
+    declare = getattr(instrument, "cell_params", None)
+    by_metric = declare(params) if declare else {metric: [{}] for metric in instrument.metrics(params)}
+    return StepResult(cells=[Cell(metric, None, "", cell_params, valid=False, note=why, requests=[])
+                             for metric, many in by_metric.items() for cell_params in many])
+
+
+def _may_be_gone(receipt: Receipt) -> bool:
+    """Whether a failed request may mean the engine is going away. A 4xx is the engine answering a
+    request it read and refused (a command engine's 404 on /v1/stats, a 400 for `ignore_eos`): it
+    was there to answer, so it needs no grace to show an exit. No answer, a 5xx or a stream cut
+    after its 200 all may."""
+    return receipt.error is not None and not (receipt.status is not None and 400 <= receipt.status < 500)
+
+
+def _fail(rc: RunContext, slot: m.Slot, boot_id: int, status: str, reason: str | None,
+          proc: engine_boot.EngineProcess | None, sampler: MemSampler | None = None) -> str:
+    fields: dict[str, Any] = {}
+    if proc is not None:
+        stopped = proc.stop(rc.ladder.engine.stop_grace_s)
+        fields = {"stopped_at": writer.now(), "exit_status": stopped.exit_status, "stopped_by": stopped.stopped_by,
+                  "log_tail": proc.log_tail()}
+    if sampler is not None:
+        sampler.stop()
+        fields["mem_available_floor"] = sampler.floor_bytes()
+    writer.update_boot(rc.store, boot_id, status=status, reason=reason, **fields)
+    writer.set_slot_status(rc.store, slot.id, "failed")
+    log.warning("%s %s: %s", slot.arm.name, status, reason)
+    return status

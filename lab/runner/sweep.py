@@ -1,0 +1,67 @@
+"""`lab sweep LADDER --label L`: a ladder run (or its control alone) filed under a series for `lab history`.
+
+A series is one ladder on one engine identity on one host: `<ladder>@<host>:<hash>`, the hash being
+the control's config hash (model, flags, environment; a command engine's whole recipe). What changes
+from label to label is what the user is tracking (the engine's commit, a driver, a date); what is
+fixed is in the series name, so two points of a series differ only in what their labels say.
+The run is an ordinary run: `lab ls`, `lab report` and `lab run --resume` work on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import yaml
+
+from lab.ladder import render
+from lab.ladder.validate import load_ladder, parse_ladder
+from lab.runner import fingerprint
+from lab.runner.run import RunError, create_from_text
+from lab.store import models as m
+from lab.store import reader, writer
+from lab.store.db import Store
+
+log = logging.getLogger("lab.sweep")
+
+
+def series_name(ladder_name: str, host: str, control_hash: str) -> str:
+    return f"{ladder_name}@{host}:{control_hash[:8]}"
+
+
+def create(store: Store, ladder_path: str | Path, label: str, control_only: bool, name: str | None,
+           runs_dir: str | Path = "runs") -> tuple[m.Run, str]:
+    """Validate the ladder, store its run and file it under its series; returns the run and the series."""
+    ladder, text = load_ladder(ladder_path)
+    if control_only:
+        # Each window's control alone, opened and closed: two warm boots per label to state its drift.
+        data = yaml.safe_load(text)
+        data["windows"] = [{"name": w.name, "control": w.control_name} for w in ladder.windows]
+        data["repeats"] = 1
+        data.setdefault("keep", {})["gates"] = []  # gates judge arms; there are none
+        text = f"# {ladder.name} ({Path(ladder_path).name}), controls only, for `lab sweep`\n" + \
+            yaml.safe_dump(data, sort_keys=False)
+        ladder = parse_ladder(text, f"{ladder_path} (controls only)")
+    control = render.plan(ladder).arms[0]
+    host = fingerprint.collect()["host"]
+    series = series_name(ladder.name, host, control.config_hash)
+    taken = next((p for p in reader.series_points(store, series) if p.label == label), None)
+    if taken is not None:
+        raise RunError(f"label {label!r} is already in series {series} (run id {taken.run_id}); pick another")
+    run = create_from_text(store, ladder, text, ladder_path, name, runs_dir, stem=f"{ladder.name}-{_plain(label)}")
+    identity = {"engine_kind": ladder.engine.kind, "model": ladder.engine.model, "control": control.name,
+                "control_config_hash": control.config_hash}
+    try:
+        writer.add_series_point(store, series=series, label=label, run_id=run.id, ladder_name=ladder.name, host=host,
+                                identity=identity)
+    except ValueError as exc:  # another sweep filed the same label a moment ago
+        writer.set_run_status(store, run.id, "failed", str(exc))
+        raise RunError(str(exc)) from None
+    log.info("run %s filed under series %s as %s", run.name, series, label)
+    return run, series
+
+
+def _plain(label: str) -> str:
+    """A label as it may appear in a run name, which becomes a directory of boot logs."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label)[:60]
