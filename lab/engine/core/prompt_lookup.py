@@ -102,16 +102,19 @@ class PromptLookup:
         p = seq.params
         return min(self.k, budget, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
 
+    def _may_look(self, seq: Sequence, room: int) -> bool:
+        backoff = self._backoff.get(seq.seq_id)
+        return (room > 0 and drafts_allowed(seq.params)
+                and (backoff is None or seq.num_output_tokens >= backoff.resume_at))
+
     def will_look(self, seq: Sequence) -> bool:
         """Whether `seq`'s next step looks for a draft: then its tokens must all be on the host."""
-        backoff = self._backoff.get(seq.seq_id)
-        return (self._room(seq, self.k) > 0 and drafts_allowed(seq.params)
-                and (backoff is None or seq.num_output_tokens >= backoff.resume_at))
+        return self._may_look(seq, self._room(seq, self.k))
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens for `seq`, at most `budget` of them; `seq` must have no pending tokens."""
         room = self._room(seq, budget)
-        if room <= 0 or not self.will_look(seq):
+        if not self._may_look(seq, room):
             return []
         draft = find_draft(seq.token_ids, room, self.n_min, self.n_max)
         if not draft:
