@@ -26,7 +26,8 @@
 #   a true 3 % slowdown) after a 3-boot calibration, tallied; calibrate is 7 control boots of
 #   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses;
 #   c64ctx calibrates benchmarks/ladders/h200-c64-context.yaml (C64 at 2K context, 4 boots); known-effect
-#   is the GPU test of the injected delay alone
+#   is the GPU test of the injected delay alone; cpu-intel is `lab engine bench --device cpu` of SmolLM2 on two of
+#   the host's cores (issue 13 item 6); noop-cpu is benchmarks/ladders/bundled-noop.yaml on two of them (issue 14)
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -88,9 +89,20 @@ for stage in $stages; do
     calibrate) # 7 control boots of ladders/h200.yaml into .cache/lab/lab-h200.db (carry [".cache/lab"]):
          # the lab stage of the next call runs the ladder into the same store and is judged with them
          mkdir -p .cache/lab
-         { timeout 560 python3 -m lab calibrate ladders/h200.yaml --boots 7 --db .cache/lab/lab-h200.db \
+         # CAL_LIMIT shortens it to share a call; cut short, it still stores the noise of the boots it finished
+         { timeout "${CAL_LIMIT:-560}" python3 -m lab calibrate ladders/h200.yaml --boots 7 --db .cache/lab/lab-h200.db \
              --name "h200-$commit-calibration7"; echo "lab calibrate exit $?"; } > "$OUT/calibrate.txt" 2>&1
          cp .cache/lab/lab-h200.db "$OUT/lab-h200-calibration.db" ;;
+    cpu-intel) # issue 13 item 6: the CPU path on this host's CPU (an Intel Xeon), two of its cores, as on a
+         # 2-core VM: SmolLM2 offline, served and beside transformers; the product layouts are measured at load
+         { lscpu | grep -E "^Model name|^Flags" | cut -c 1-900
+           OMP_NUM_THREADS=2 timeout 170 taskset -c 0,1 python3 -m lab.engine bench --device cpu --prefill-lengths 512 \
+             --repeats 2 --served --json "$OUT/cpu_intel.json"; echo "bench exit $?"; } > "$OUT/cpu_intel.txt" 2>&1 ;;
+    noop-cpu) # issue 14 on a quiet 2-core host: benchmarks/ladders/bundled-noop.yaml pinned to two of this host's cores
+         db=$OUT/bnoop.db; run=bnoop-$commit
+         { OMP_NUM_THREADS=2 timeout 560 taskset -c 0,1 python3 -m lab run benchmarks/ladders/bundled-noop.yaml \
+             --db "$db" --name "$run"; echo "lab run exit $?"
+           python3 benchmarks/issue14_verdicts.py "$db" "$run"; } > "$OUT/noop_cpu.txt" 2>&1 ;;
     kernels) { timeout 90 python3 benchmarks/kernels/bench_gemv.py;
             timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
@@ -155,7 +167,7 @@ for stage in $stages; do
   # A device call returns at most 8 files: a stage that wrote several leaves them as one archive.
   mapfile -t made < <(ls "$OUT" | grep -vxF -f /tmp/h200-before.txt)
   for f in "${made[@]}"; do case $f in *.txt) echo "== $stage: $f"
-    grep -E "figure:|│ (decode|prefill)|passed|failed|Error|exit|reject|keep|inconclusive|resume|TTFT|ttft" "$OUT/$f" \
+    grep -E "figure:|Model name|│ (decode|prefill|mixed)|passed|failed|Error|exit|reject|keep|inconclusive|resume|TTFT|ttft" "$OUT/$f" \
       | grep -v -i warn | tail -40 | cut -c 1-220 ;; esac; done
   if [ "${#made[@]}" -gt 1 ]; then tar czf "$OUT/$stage.tgz" -C "$OUT" "${made[@]}" && (cd "$OUT" && rm -f "${made[@]}"); fi
 done

@@ -80,6 +80,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from lab.runner import calibrate
     from lab.runner.run import execute
+    from lab.runner.slot import Interrupted
     from lab.store.db import open_store
 
     console = _console()
@@ -90,7 +91,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {args.db}")
-        execute(store, run, console)
+        try:
+            execute(store, run, console)
+            interrupted = False
+        except Interrupted:
+            # A time limit or Ctrl-C late in a long calibration: the warm controls it finished are
+            # still A/A evidence, so they are measured and stored rather than thrown away.
+            interrupted = True
         rows = calibrate.measure(store, run.id, repeats)
     finally:
         store.close()
@@ -99,6 +106,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         table.add_row(row["metric"], str(row["boots"]), f"{math.expm1(row['sd_log']) * 100:.2f}",
                       f"{row['drift_pct']:.2f}", f"±{row['mde_pct']:.2f}")
     _console(stdout=True).print(table)
+    if interrupted:
+        _error(f"calibration {run.name} interrupted: the noise above is from the control boots that finished"
+               if rows else f"calibration {run.name} interrupted before 3 warm control boots: no noise stored")
+        return 130
     if not rows:
         _error(f"no key metric had 3 warm control boots; `lab ls {run.name}` shows what happened")
         return 1

@@ -54,3 +54,31 @@ def test_fewer_than_three_boots_is_a_usage_error(tmp_path: Path, lab) -> None:
     with pytest.raises(SystemExit) as caught:
         lab("calibrate", str(stub_ladder(tmp_path, BODY)), "--boots", "2")
     assert caught.value.code == 2
+
+
+def test_a_calibration_cut_short_keeps_the_noise_of_the_controls_it_finished(tmp_path: Path) -> None:
+    import signal
+
+    from lab.store.db import open_store
+    from tests.lab.conftest import lab_process
+    from tests.lab.test_resume import finish, stop_left_engines, wait_for_steps
+
+    path = stub_ladder(tmp_path, BODY)
+    victim = lab_process(["calibrate", str(path), "--boots", "8", "--name", "cut"], tmp_path)
+    try:
+        wait_for_steps(victim, tmp_path / "lab.db", slot_idx=5, count=1)  # four warm controls done
+        victim.send_signal(signal.SIGTERM)
+        code, out = finish(victim)
+    finally:
+        stop_left_engines(tmp_path / "lab.db")
+    assert code == 130, out
+    assert "interrupted: the noise above is from the control boots that finished" in " ".join(out.split()), out
+    store = open_store(str(tmp_path / "lab.db"))
+    try:
+        with store.session() as s:
+            noise = s.scalars(select(m.NoiseModel)).one()
+            assert noise.metric == "memory.host_mem_available_floor_gib"
+            assert 4 <= noise.boots < 8 and noise.df == noise.boots - 2
+            assert s.scalar(select(m.Run.status)) == "interrupted"
+    finally:
+        store.close()
