@@ -88,7 +88,34 @@ def test_one_boot_with_a_calibration_gets_an_interval_and_the_same_rule() -> Non
 def test_one_boot_in_a_drifting_window_stays_inconclusive_even_with_a_calibration() -> None:
     noise = {DECODE.name: Noise(sd_log=0.005, df=10, source="calibration cal-1")}
     verdict = judge(RULE, interleaved([100.0, 106.0], [115.0], noise=noise))
-    assert verdict.decision is Decision.INCONCLUSIVE and "window inconclusive" in verdict.reasons[0]
+    assert verdict.decision is Decision.INCONCLUSIVE and verdict.metrics[0].status is MetricStatus.DRIFT
+    assert verdict.reasons[0].startswith(f"{DECODE.name} undecided: controls drift 5.8 % > 2 %")
+
+
+def two_metric_window(decode_arm: float, ttft_arm: float) -> ArmEvidence:
+    """One arm boot between two controls; decode's controls 2.8 % apart, the chat's TTFT's 0.5 %."""
+    def boot(label: str, at: float, decode: float, ttft: float) -> BootValues:
+        return BootValues(label, {DECODE.name: decode, TTFT.name: ttft}, at=at)
+    noise = {DECODE.name: Noise(sd_log=0.004, df=5, source="calibration cal-1"),
+             TTFT.name: Noise(sd_log=0.004, df=5, source="calibration cal-1")}
+    return ArmEvidence(arm=[boot("A#1", 1.0, decode_arm, ttft_arm)], opening_control=boot("C#0", 0.0, 36096.0, 1.000),
+                       closing_control=boot("C#2", 2.0, 35096.0, 1.005), noise=noise)
+
+
+def test_a_drift_beyond_one_metrics_calibration_leaves_that_metric_undecided_and_the_others_decide() -> None:
+    rule = KeepRule(2.0, [DECODE, TTFT])
+    # The chat's TTFT 10 % slower, its controls agreeing: a regression whatever decode's controls did.
+    slower = judge(rule, two_metric_window(35500.0, 1.11))
+    assert slower.decision is Decision.REJECT
+    assert slower.reasons[0].startswith(f"{TTFT.name} -9.")
+    assert [row.status for row in slower.metrics] == [MetricStatus.DRIFT, MetricStatus.REGRESSED]
+    assert any(r.startswith(f"{DECODE.name} undecided: controls drift 2.8 % > 2 %") and
+               "beyond the 1.1 % its calibrated noise explains" in r for r in slower.reasons)
+    # The same TTFT 10 % faster is not a keep: the drifting metric could hide a regression.
+    faster = judge(rule, two_metric_window(35500.0, 0.90))
+    assert faster.decision is Decision.INCONCLUSIVE
+    assert faster.reasons[0].startswith(f"{DECODE.name} undecided")
+    assert faster.metrics[1].status is MetricStatus.IMPROVED
 
 
 def test_one_boot_in_a_window_that_drifts_as_much_as_its_calibration_says_is_judged_by_the_interval() -> None:
@@ -106,7 +133,7 @@ def test_one_boot_in_a_window_that_drifts_as_much_as_its_calibration_says_is_jud
     tight = {DECODE.name: Noise(sd_log=0.005, df=10, source="calibration cal-1")}
     voided = judge(RULE, interleaved([11002.0, 11735.0], [6000.0], noise=tight))
     assert voided.decision is Decision.INCONCLUSIVE
-    assert "beyond the 1.4 % its calibrated noise explains: window inconclusive" in voided.reasons[0]
+    assert voided.reasons[0].endswith("beyond the 1.4 % its calibrated noise explains")
 
 
 @pytest.mark.parametrize("controls,arm,noise", [

@@ -14,8 +14,10 @@ How figures are formed:
 
 Precedence when several findings apply (first match decides):
 1. a failed gate rejects: it is a fact about the arm that no other measurement can undo;
-2. the window is inconclusive when no warm control remains or the controls drift apart beyond
-   the drift limit on any key metric: no performance figure of that window is trusted;
+2. the window is inconclusive when no warm control remains, or when the controls drift apart beyond
+   the drift limit on a key metric that has no noise model: no performance figure of that window is
+   trusted (a calibrated metric whose controls drift beyond its calibrated noise is undecided
+   instead, precedence 4, and leaves the other metrics to decide);
 3. a key metric regressing beyond the threshold rejects, even if another figure is missing,
    because the missing figure cannot rescue it;
 4. a missing or unusable figure (no warm arm boot, an absent or non-finite value, a zero
@@ -33,7 +35,8 @@ controls interpolated at its place) instead of by its point figure:
 - straddling either edge is undecided: inconclusive, with the repeats that would resolve it at the
   measured noise (precedence 4, like a missing figure).
 With two or more arm boots the controls' drift is interpolated, not a reason to void the window;
-a single arm boot keeps the drift limit, so a drifting window never gives a keep. Every metric
+a single arm boot keeps the drift limit, so a drifting window never gives a keep: a drift its
+calibration explains is judged by the (wide) interval, one beyond it leaves that metric undecided. Every metric
 states the minimum detectable effect its design has, or that it has none.
 
 Cold boots never enter a figure; each exclusion is stated in the reasons. When both sides have at
@@ -356,10 +359,15 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
         return _judge_interval(rule, metric, base, found, shown_controls, drift, row_fields)
 
     if drift_voids:
-        beyond = "" if explained is None else f", beyond the {explained:.1f} % its calibrated noise explains"
-        text = (f"controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % > "
-                f"{rule.drift_limit_pct:g} % on {name} ({shown_controls}){beyond}: window inconclusive")
-        return replace(base, status=MetricStatus.DRIFT, **row_fields), _Finding(_Kind.WINDOW_VOID, text)
+        shown_drift = f"controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % > {rule.drift_limit_pct:g} %"
+        row = replace(base, status=MetricStatus.DRIFT, **row_fields)
+        if explained is None:
+            # No noise model: nothing says which figures the move touched, so none of the window is trusted.
+            return row, _Finding(_Kind.WINDOW_VOID, f"{shown_drift} on {name} ({shown_controls}): window inconclusive")
+        # A calibrated metric's own controls vouch for it: a drift beyond one metric's calibrated noise
+        # leaves that metric undecided (it can never keep) while metrics whose controls agree still decide.
+        return row, _Finding(_Kind.MISSING, f"{name} undecided: {shown_drift} ({shown_controls}), beyond the "
+                                            f"{explained:.1f} % its calibrated noise explains")
 
     threshold = rule.threshold_pct
     shown_delta = pct_text(delta, threshold, signed=True)
