@@ -7,7 +7,9 @@ offers it. A repeat is invalid when any of its prompt tokens came from the cache
 `usage.prompt_tokens` differs from the count `/tokenize` gave, or when it failed.
 
 Cells, all with params `{length}`: `prefill_tok_s` and `ttft_s` for each repeat (repeat = rep),
-and `prefill_tok_s_median` over the valid repeats. The KEEP rule's median of repeats of
+and `prefill_tok_s_median` over the valid repeats. `warmup_reps: w` sends w such prompts first at
+each length and leaves them out of every cell (their receipts stay with the step): on a GPU the
+first request of a length is slower than the rest in every boot (reports/BENCHMARKS.md). The KEEP rule's median of repeats of
 `prefill_tok_s` is that same median.
 
 With `tail_tokens: n` each repeat goes on to generate n more tokens (`ignore_eos`) after its
@@ -45,6 +47,8 @@ class PrefillParams(PresetParams):
         default_factory=lambda: [256, 1024], min_length=1, description="prompt lengths in tokens")
     reps: conint(ge=1) = Field(  # type: ignore[valid-type]
         2, description="cold repeats per length; the median is reported")
+    warmup_reps: conint(ge=0) = Field(  # type: ignore[valid-type]
+        0, description="cold requests sent first at each length and left out of every cell (their receipts are kept)")
     tail_tokens: conint(ge=0) = Field(  # type: ignore[valid-type]
         0, description="tokens generated after the first (ignore_eos), timed as decode at that context; 0: none")
 
@@ -88,14 +92,19 @@ class PrefillInstrument:
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
                                                                  max_connections=1) as client:
             limit = await extras.max_model_len()
+            for warmup in range(params.warmup_reps):
+                await self._one_shot(ctx, extras, client, length, f"warmup-{warmup}", limit, params.tail_tokens,
+                                     result, warmup=True)
             for rep in range(params.reps):
                 rate = await self._one_shot(ctx, extras, client, length, rep, limit, params.tail_tokens, result)
                 if rate is not None:
                     rates.append((rate, len(result.receipts) - 1))
+        after = (f" after {params.warmup_reps} warm-up request{'s' * (params.warmup_reps > 1)}"
+                 if params.warmup_reps else "")
         if rates:
             median = statistics.median(rate for rate, _ in rates)
             result.cells.append(Cell("prefill_tok_s_median", median, "tok/s", cell_params,
-                                     note=f"median of {len(rates)} valid of {params.reps} repeats",
+                                     note=f"median of {len(rates)} valid of {params.reps} repeats{after}",
                                      requests=[i for _, i in rates]))
         else:
             result.cells.append(Cell("prefill_tok_s_median", None, "tok/s", cell_params, valid=False,
@@ -103,12 +112,17 @@ class PrefillInstrument:
         return result
 
     async def _one_shot(self, ctx: BootContext, extras: EngineExtras, client: StreamingClient, length: int,
-                        rep: int, limit: int | None, tail: int, result: StepResult) -> float | None:
-        """Send one cold prompt, adding its receipt and cells to `result`; its tok/s when valid."""
+                        rep: int | str, limit: int | None, tail: int, result: StepResult,
+                        warmup: bool = False) -> float | None:
+        """Send one cold prompt, adding its receipt and cells to `result`; its tok/s when valid. A warm-up
+        request adds its receipt only: the first requests of a length in a fresh engine pay for
+        allocator growth and first-use work that no later request sees."""
         cell_params = {"length": length}
 
         def invalid(why: str, requests: list[int]) -> None:
-            ctx.log.warning("prefill length %d rep %d invalid: %s", length, rep, why)
+            ctx.log.warning("prefill length %d rep %s invalid: %s", length, rep, why)
+            if warmup:
+                return
             for metric, unit in (("prefill_tok_s", "tok/s"), ("ttft_s", "s")) + ((("tail_tok_s", "tok/s"),)
                                                                                    if tail else ()):
                 result.cells.append(Cell(metric, None, unit, cell_params, rep, valid=False, note=why,
@@ -135,6 +149,8 @@ class PrefillInstrument:
             body["ignore_eos"] = True
         receipt = await client.request(body)
         result.receipts.append(receipt)
+        if warmup:
+            return None
         index = len(result.receipts) - 1
         counted = await count_missing_usage(extras, ctx.capabilities, [receipt])
         problem = prefill_problem(receipt, length if fitted.exact else None)

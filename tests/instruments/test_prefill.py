@@ -88,3 +88,16 @@ def test_a_decode_tail_times_the_tokens_after_the_first_at_that_context(bench) -
     over = bench.measure(PrefillInstrument(), {"lengths": [4090], "tail_tokens": 12}, salt="prefill-tail-over")
     tail = over.cell("tail_tok_s", length=4090)
     assert not tail.valid and "13 output tokens exceed the engine's context of 4096" in tail.note
+
+
+def test_warm_up_requests_are_sent_and_kept_as_receipts_but_enter_no_cell(bench) -> None:
+    stored = bench.measure(PrefillInstrument(), {"lengths": [64], "reps": 2, "warmup_reps": 1}, salt="warm")
+    requests = sorted(stored.requests.values(), key=lambda r: r.t_sent_ns)
+    assert len(requests) == 3 and all(r.status == 200 and r.prompt_tokens == 64 for r in requests)
+    warm_up = requests[0]
+    cells = [c for c in stored.cells if c.metric in ("prefill_tok_s", "ttft_s", "prefill_tok_s_median")]
+    assert len(cells) == 5 and all(c.valid for c in cells)  # two repeats x two metrics, and the median
+    assert all(warm_up.id not in c.request_ids for c in cells)
+    median = stored.cell("prefill_tok_s_median", length=64)
+    assert median.note == "median of 2 valid of 2 repeats after 1 warm-up request"
+    assert len({r.payload["prompt"] for r in requests}) == 3  # the warm-up is cold too: its own salt
