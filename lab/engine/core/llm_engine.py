@@ -126,7 +126,8 @@ class LLMEngine:
                                   f"(--max-waiting {self.config.max_waiting}); retry later")
         seq = Sequence(next(self._ids), request_id, list(prompt_token_ids), params)
         if params.seed is not None and not params.greedy:
-            seq.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+            # On the engine's device, so that drawing a token never copies the distribution to the host.
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq

@@ -108,11 +108,15 @@ def target_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-    """One token (a 0-d tensor) from a 1-D distribution that need not sum to one."""
+    """One token (a 0-d tensor) from a 1-D distribution that need not sum to one, drawn on the
+    distribution's device: the argmax of p / E with E ~ Exp(1), the draw torch.multinomial makes for
+    one sample. torch.multinomial first checks the distribution with a value read back from the
+    device, so on a GPU every sampled row of every step waited for the device and ended the lead an
+    overlapped decode step has; this draw only queues kernels."""
     # Per-row generator: a seeded request gets the same tokens whatever its batch.
-    if gen is not None and gen.device != probs.device:
-        return torch.multinomial(probs.cpu(), 1, generator=gen).to(probs.device)[0]
-    return torch.multinomial(probs, 1, generator=gen)[0]
+    device = gen.device if gen is not None else probs.device
+    noise = torch.empty(probs.shape, dtype=torch.float32, device=device).exponential_(generator=gen)
+    return (probs / noise.to(probs.device)).argmax(-1)
 
 
 def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int]) -> list[TokenLogprob]:
