@@ -4,13 +4,16 @@
 its boots and then fail, or hurt the host: a window with no arm to judge, a KEEP metric whose
 `where` does not pick exactly one cell per boot (checked against the cells each instrument
 declares, without running it), a request longer than the engine's context or than the host can
-build in memory, a memory floor above what the host has. They apply to a ladder about to run
+build in memory, a memory floor above what the host has, a command engine's `executable` or
+`tokenizer` that is not there (or a tokenizer that cannot be read). They apply to a ladder about to run
 (`lab run`, `--dry-run`), not to a stored ladder read back for a report: a store written on
 another host must stay readable here.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +23,11 @@ import psutil
 from lab.engine.core import config as engine_config
 from lab.engine.model.model_config import PRESETS
 from lab.instruments import REGISTRY
+from lab.instruments import local_tokenizer
 from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 from lab.ladder import render
 from lab.ladder.errors import Problem
-from lab.ladder.ladder import BundledEngine, Ladder
+from lab.ladder.ladder import BundledEngine, CommandEngine, Ladder
 from lab.ladder.yaml_lines import Located, dotted
 
 GIB = 1024**3
@@ -45,7 +49,32 @@ def problems(ladder: Ladder, located: Located, host: Host | None) -> list[Proble
     """Everything that stops this ladder from running as written; host checks only with a host."""
     found = _empty_windows(ladder, located) + _where(ladder, located) + _contexts(ladder, located)
     if host is not None:
-        found += _host_memory(ladder, located, host)
+        found += _host_memory(ladder, located, host) + _engine_files(ladder, located)
+    return found
+
+
+def _engine_files(ladder: Ladder, located: Located) -> list[Problem]:
+    """A command engine's `executable` must be runnable here and its `tokenizer` readable: every
+    boot would fail to start, or every probe find the tokenizer unusable."""
+    engine = ladder.engine
+    if not isinstance(engine, CommandEngine):
+        return []
+    found = []
+    if engine.executable is not None and "PATH" not in engine.env:
+        program = engine.executable
+        if os.sep in program:
+            path = os.path.expanduser(program)
+            why = ("no such file" if not os.path.exists(path) else
+                   "not an executable file" if not (os.path.isfile(path) and os.access(path, os.X_OK)) else None)
+        else:
+            why = "not found on PATH" if shutil.which(program) is None else None
+        if why:
+            found.append(Problem(located.line(("engine", "executable")), f"engine.executable: {program}: {why}"))
+    if engine.tokenizer is not None:
+        try:
+            local_tokenizer.load(engine.tokenizer)
+        except local_tokenizer.TokenizerLoadError as exc:
+            found.append(Problem(located.line(("engine", "tokenizer")), f"engine.{exc}"))
     return found
 
 
