@@ -4,16 +4,14 @@
 its boots and then fail, or hurt the host: a window with no arm to judge, a KEEP metric whose
 `where` does not pick exactly one cell per boot (checked against the cells each instrument
 declares, without running it), a request longer than the engine's context or than the host can
-build in memory, a memory floor above what the host has, a command engine's `executable` or
-`tokenizer` that is not there (or a tokenizer that cannot be read). They apply to a ladder about to run
+build in memory, a memory floor above what the host has, a command engine's `tokenizer` that is not there or
+cannot be read. They apply to a ladder about to run
 (`lab run`, `--dry-run`), not to a stored ladder read back for a report: a store written on
 another host must stay readable here.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,22 +52,13 @@ def problems(ladder: Ladder, located: Located, host: Host | None) -> list[Proble
 
 
 def _engine_files(ladder: Ladder, located: Located) -> list[Problem]:
-    """A command engine's `executable` must be runnable here and its `tokenizer` readable: every
-    boot would fail to start, or every probe find the tokenizer unusable."""
+    """A command engine's `tokenizer` must be readable here: every probe would find it unusable.
+    (Its `executable` is not checked: the shipped ladders name engines this host may lack, and a
+    boot that cannot start costs nothing and says why.)"""
     engine = ladder.engine
     if not isinstance(engine, CommandEngine):
         return []
     found = []
-    if engine.executable is not None and "PATH" not in engine.env:
-        program = engine.executable
-        if os.sep in program:
-            path = os.path.expanduser(program)
-            why = ("no such file" if not os.path.exists(path) else
-                   "not an executable file" if not (os.path.isfile(path) and os.access(path, os.X_OK)) else None)
-        else:
-            why = "not found on PATH" if shutil.which(program) is None else None
-        if why:
-            found.append(Problem(located.line(("engine", "executable")), f"engine.executable: {program}: {why}"))
     if engine.tokenizer is not None:
         try:
             local_tokenizer.load(engine.tokenizer)
