@@ -14,11 +14,17 @@ own:
 - `logprobs`: a completion asked for `logprobs` returned them.
 - `tokenizer`: the route that tokenizes a prompt (`/tokenize`, llama-cpp-python's
   `/extras/tokenize`), or None.
+- `ladder_tokenizer`: where the engine has no such route and the ladder names a tokenizer
+  (`engine.tokenizer:`), its name: prompts are then sized and tokens counted with it in the lab's
+  process (lab/instruments/local_tokenizer.py), once it passed the check below.
 - `token_count`: whether the instruments may count tokens with that tokenizer where a stream has
   no `usage`: the counts it gives for the large prompt and for the generated texts that ran to
   `max_tokens` are checked against the engine's own non-streamed `usage` of the same requests (a
   reply that ended on EOS is left out: engines differ in whether `usage` counts the EOS token; so
-  is one forced past EOS: the special tokens it generated there have no text to count).
+  is one forced past EOS: the special tokens it generated there have no text to count). The
+  ladder's tokenizer is checked the same way, and on chat too (`chat`: its template's count of a
+  short chat equals the engine's `usage.prompt_tokens`; without that, chats go uncounted). A
+  tokenizer that counts otherwise is not used, and the instruments that needed it refuse, saying so.
 - `metrics`, `stats`, `prefix_cache_reset`: `/metrics`, `/v1/stats` and `/reset_prefix_cache`
   answered 200.
 
@@ -34,6 +40,7 @@ from typing import Any
 import httpx
 
 from lab.instruments.client import StreamingClient
+from lab.instruments import local_tokenizer
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.prompts import filler_words, fit_prompt, salt_line
 from lab.instruments.receipt import Receipt
@@ -47,6 +54,8 @@ EOS_MAX_TOKENS = 32
 LARGE_MAX_TOKENS = 8
 # Instruments whose figures are token counts over time: they need `usage` or a checked tokenizer.
 COUNTING = ("prefill", "decode", "mixed")
+# Instruments that send prompts of an exact length: a tokenizer the ladder names must count as the engine does.
+EXACT = ("prefill", "mixed")
 
 
 @dataclass(frozen=True)
@@ -60,15 +69,26 @@ class Endpoint:
     capabilities: dict[str, Any] | None = None
 
 
-async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: bool = True) -> dict[str, Any]:
+async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: bool = True,
+                tokenizer: str | None = None) -> dict[str, Any]:
     """The capabilities of the engine at `endpoint` (module docstring), as a JSON-able dict.
     `largest_prompt` is the most tokens (prompt and output) one request of the ladder holds, at
-    least LARGE_MAX_TOKENS + 32. Never raises for what an engine lacks; `answered` False with
-    `error` when the large request failed."""
+    least LARGE_MAX_TOKENS + 32; `tokenizer` the one the ladder names (`engine.tokenizer`), used
+    only where the engine has no tokenizer route. Never raises for what an engine lacks; `answered`
+    False with `error` when the large request failed."""
     caps: dict[str, Any] = {}
     async with EngineExtras(endpoint) as extras, StreamingClient(endpoint.base_url, endpoint.api_key,
                                                                   max_connections=1) as client:
         caps["tokenizer"] = await extras.find_tokenizer()
+        via = caps["tokenizer"]
+        unreadable = None
+        if via is None and tokenizer is not None:
+            caps["ladder_tokenizer"] = tokenizer
+            via = ladder_tokenizer_name(tokenizer)
+            try:
+                extras.use_local(local_tokenizer.load(tokenizer))
+            except local_tokenizer.TokenizerLoadError as exc:
+                unreadable = str(exc)
         caps["metrics"] = await _answers(extras.http, "GET", f"{endpoint.base_url}/metrics")
         caps["stats"] = await _answers(extras.http, "GET", f"{endpoint.base_url}/v1/stats")
         caps["prefix_cache_reset"] = await extras.reset_prefix_cache()
@@ -94,8 +114,30 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
             caps["ignore_eos"] = await _ignore_eos(client, endpoint.model, messages, plain)
             # Not the forced reply: the special tokens generated past EOS leave no text to count.
             replies.append(plain)
-        caps["token_count"] = await _check_counts(extras, caps["tokenizer"], prompt_text, answer, replies)
+        if unreadable is not None:
+            caps["token_count"] = {"ok": False, "why": unreadable}
+        else:
+            caps["token_count"] = await _check_counts(extras, via, prompt_text, answer, replies)
+            if extras.local_name is not None and caps["token_count"]["ok"]:
+                caps["token_count"]["chat"] = await _check_chat(extras, client, endpoint.model, salt)
     return caps
+
+
+def ladder_tokenizer_name(tokenizer: str) -> str:
+    """How cells and `lab ls` name the ladder's tokenizer."""
+    return f"the ladder's tokenizer {tokenizer}"
+
+
+async def _check_chat(extras: EngineExtras, client: StreamingClient, model: str, salt: str) -> bool:
+    """Whether the ladder's tokenizer counts a chat prompt (its template included) as the engine does."""
+    messages = [{"role": "system", "content": f"{salt_line(salt)} You are a helpful AI assistant."},
+                {"role": "user", "content": "Hello"}]
+    counted = await extras.tokenize(messages=messages)
+    if counted is None:
+        return False
+    answer = await client.request({"model": model, "messages": messages, "max_tokens": 1, "temperature": 0,
+                                   "stream": False})
+    return answer.ok and answer.usage_present and answer.prompt_tokens == len(counted)
 
 
 async def _answers(http: httpx.AsyncClient, method: str, url: str) -> bool:
@@ -128,7 +170,8 @@ async def _ignore_eos(client: StreamingClient, model: str, messages: list[dict[s
 
 async def _check_counts(extras: EngineExtras, tokenizer: str | None, prompt: str, large: Receipt,
                         replies: list[Receipt]) -> dict[str, Any]:
-    """Whether the tokenizer's counts match the engine's `usage` on requests it answered whole."""
+    """Whether the tokenizer's counts (`tokenizer` names it) match the engine's `usage` on requests
+    it answered whole."""
     if tokenizer is None:
         return {"ok": False, "why": "the engine has no tokenizer endpoint"}
     checks = []
@@ -157,10 +200,12 @@ def refusal(instrument: str, caps: dict[str, Any] | None) -> str | None:
     """Why `instrument` cannot measure an engine with these capabilities, or None."""
     if caps is None:
         return None
+    count = caps.get("token_count") or {}
     if instrument in COUNTING and not caps.get("streamed_usage", True):
-        count = caps.get("token_count") or {}
         if not count.get("ok"):
             return f"the engine streams no usage and its tokens cannot be counted: {count.get('why', 'not probed')}"
+    if instrument in EXACT and caps.get("ladder_tokenizer") and not count.get("ok"):
+        return f"prompts of an exact length need the ladder's tokenizer, which cannot be used: {count.get('why')}"
     return None
 
 
@@ -181,7 +226,12 @@ def summary(caps: dict[str, Any] | None) -> str:
     if not caps.get("streamed_usage"):
         count = caps.get("token_count") or {}
         usage += f" (counted by {count['via']})" if count.get("ok") else " (uncountable)"
+    tok = caps.get("tokenizer") or "✗"
+    if not caps.get("tokenizer") and caps.get("ladder_tokenizer"):
+        checked = caps.get("token_count") or {}
+        tok = f"✗, the ladder's {caps['ladder_tokenizer']} " + (
+            "✓" if checked.get("ok") else f"✗ ({checked.get('why', 'not checked')})")
     return " · ".join([f"{size} ✓", usage, f"ignore_eos {caps.get('ignore_eos', '?')}", f"logprobs {mark('logprobs')}",
-                       f"tokenizer {caps.get('tokenizer') or '✗'}", f"metrics {mark('metrics')}",
+                       f"tokenizer {tok}", f"metrics {mark('metrics')}",
                        f"stats {mark('stats')}", f"cache reset {mark('prefix_cache_reset')}"])
 

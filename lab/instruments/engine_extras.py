@@ -15,6 +15,9 @@ from typing import Any, Protocol
 
 import httpx
 
+from lab.instruments import local_tokenizer
+from lab.instruments.local_tokenizer import LocalTokenizer
+
 # How the bundled engine names the source of random weights in `/v1/stats` ("dummy:llama3-8b").
 RANDOM_WEIGHTS_SOURCE = "dummy:"
 # Tokenizer routes in the order they are tried: vLLM's, SGLang's and the bundled engine's, then
@@ -45,6 +48,23 @@ class EngineExtras:
         caps = ctx.capabilities
         self._route: str | None = caps.get("tokenizer") if caps else TOKENIZER_ROUTES[0]
         self._empty_tokens: int | None = None
+        # The ladder's own tokenizer, where the engine has no route and the probe found it counts
+        # as the engine does (capabilities.py); its chat counts only where those were checked too.
+        self._local: LocalTokenizer | None = None
+        self._local_chat = False
+        if caps and self._route is None and caps.get("ladder_tokenizer") and (caps.get("token_count") or {}).get("ok"):
+            self.use_local(local_tokenizer.load(caps["ladder_tokenizer"]),
+                           chat=bool(caps["token_count"].get("chat")))
+
+    def use_local(self, tokenizer: LocalTokenizer, chat: bool = True) -> None:
+        """Tokenize with the ladder's tokenizer in this process instead of over HTTP; chat
+        messages too unless `chat` is False."""
+        self._local, self._local_chat, self._route = tokenizer, chat, None
+
+    @property
+    def local_name(self) -> str | None:
+        """The ladder's tokenizer when prompts are sized with it, else None."""
+        return self._local.name if self._local is not None else None
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -69,7 +89,7 @@ class EngineExtras:
     async def _must_tokenize(self, text: str) -> list[int]:
         tokens = await self.tokenize(prompt=text)
         if tokens is None:
-            raise RuntimeError(f"{self._route} stopped answering while tokens were counted")
+            raise RuntimeError(f"{self._route or self.local_name} stopped answering while tokens were counted")
         return tokens
 
     async def __aenter__(self) -> EngineExtras:
@@ -84,6 +104,10 @@ class EngineExtras:
                        messages: list[dict[str, str]] | None = None) -> list[int] | None:
         """The token ids the engine makes of a completion prompt, or of chat messages rendered
         through its template with the generation prompt; None when it cannot say."""
+        if self._local is not None:
+            if messages is None:
+                return self._local.encode(prompt or "")
+            return self._local.encode_messages(messages) if self._local_chat else None
         body: dict[str, Any] = {"model": self._ctx.model}
         if self._route is None:
             return None

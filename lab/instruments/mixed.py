@@ -26,7 +26,7 @@ from lab.instruments.presets import PresetParams
 from lab.instruments.prompts import PromptTooShort, chat_messages, filler_words, fit_prompt, request_salt, salt_line
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import failure, prefill_problem
-from lab.instruments.token_count import count_missing_usage
+from lab.instruments.token_count import count_missing_usage, sized_note
 from lab.store.records import Cell, Step, StepResult
 
 SHORT_QUESTION = "In two or three sentences, why do leaves change colour in autumn?"
@@ -112,7 +112,8 @@ class MixedInstrument:
         result.receipts += [long, behind]
         why_long = prefill_problem(long, params.long_tokens if long_prompt.exact else None)
         cell("long_prefill_s", _s(long.ttft_ns), [1], why_long,
-             note="; ".join(part for part in (f"{long.prompt_tokens} prompt tokens", counted) if part))
+             note="; ".join(part for part in (f"{long.prompt_tokens} prompt tokens", counted or sized_note(extras))
+                            if part))
         why_behind = failure(behind) or _not_behind(long, behind) or (
             f"the long prompt is not a cold prefill: {why_long}" if why_long else None)
         note = "; ".join(part for part in (counted, "" if alone.completion_tokens == behind.completion_tokens else (

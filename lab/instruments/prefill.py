@@ -31,7 +31,7 @@ from lab.instruments.presets import PresetParams
 from lab.instruments.prompts import PromptTooShort, filler_words, fit_prompt, request_salt, salt_line
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import cache_note, prefill_problem, prefill_tok_s
-from lab.instruments.token_count import count_missing_usage
+from lab.instruments.token_count import count_missing_usage, sized_note
 from lab.store.records import Cell, Step, StepResult
 
 # Below this a prompt is mostly its salt.
@@ -156,7 +156,8 @@ class PrefillInstrument:
         problem = prefill_problem(receipt, length if fitted.exact else None)
         if problem is not None:
             return invalid(problem, [index])
-        note = "; ".join(part for part in (cache_note(receipt), counted) if part)
+        sized = sized_note(extras) if not counted else ""
+        note = "; ".join(part for part in (cache_note(receipt), counted, sized) if part)
         if not fitted.exact:
             note += "; no tokenizer endpoint, so the length is an estimate"
         rate = prefill_tok_s(receipt)

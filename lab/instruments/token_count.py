@@ -39,3 +39,9 @@ async def count_missing_usage(extras: EngineExtras, caps: dict[str, Any] | None,
         receipt.usage_present = True
         receipt.usage_counted_by = route
     return note
+
+
+def sized_note(extras: EngineExtras) -> str:
+    """The note of a cell whose prompt was sized by the ladder's tokenizer (the engine counted its
+    tokens in `usage`), or ''."""
+    return f"prompt sized by the ladder's tokenizer {extras.local_name}" if extras.local_name else ""

@@ -59,6 +59,10 @@ class CommandEngine(Strict):
     base_url: str = Field("http://127.0.0.1:{port}/v1",
                           description="the OpenAI root once started; {port} is substituted")
     api_key: str | None = None
+    tokenizer: str | None = Field(None, description="the model's tokenizer, for an engine with no tokenizer route "
+                                                     "(no /tokenize): smollm2-135m, a .gguf file or a tokenizer.json; "
+                                                     "prompts are then sized and tokens counted with it, once it "
+                                                     "counts as the engine does")
     ready_timeout_s: float = Field(900.0, gt=0)
     stop_grace_s: float = Field(30.0, ge=0)
 

@@ -4,7 +4,8 @@
 its boots and then fail, or hurt the host: a window with no arm to judge, a KEEP metric whose
 `where` does not pick exactly one cell per boot (checked against the cells each instrument
 declares, without running it), a request longer than the engine's context or than the host can
-build in memory, a memory floor above what the host has. They apply to a ladder about to run
+build in memory, a memory floor above what the host has, a command engine's `tokenizer` that is not there or
+cannot be read. They apply to a ladder about to run
 (`lab run`, `--dry-run`), not to a stored ladder read back for a report: a store written on
 another host must stay readable here.
 """
@@ -20,10 +21,11 @@ import psutil
 from lab.engine.core import config as engine_config
 from lab.engine.model.model_config import PRESETS
 from lab.instruments import REGISTRY
+from lab.instruments import local_tokenizer
 from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 from lab.ladder import render
 from lab.ladder.errors import Problem
-from lab.ladder.ladder import BundledEngine, Ladder
+from lab.ladder.ladder import BundledEngine, CommandEngine, Ladder
 from lab.ladder.yaml_lines import Located, dotted
 
 GIB = 1024**3
@@ -45,7 +47,23 @@ def problems(ladder: Ladder, located: Located, host: Host | None) -> list[Proble
     """Everything that stops this ladder from running as written; host checks only with a host."""
     found = _empty_windows(ladder, located) + _where(ladder, located) + _contexts(ladder, located)
     if host is not None:
-        found += _host_memory(ladder, located, host)
+        found += _host_memory(ladder, located, host) + _engine_files(ladder, located)
+    return found
+
+
+def _engine_files(ladder: Ladder, located: Located) -> list[Problem]:
+    """A command engine's `tokenizer` must be readable here: every probe would find it unusable.
+    (Its `executable` is not checked: the shipped ladders name engines this host may lack, and a
+    boot that cannot start costs nothing and says why.)"""
+    engine = ladder.engine
+    if not isinstance(engine, CommandEngine):
+        return []
+    found = []
+    if engine.tokenizer is not None:
+        try:
+            local_tokenizer.load(engine.tokenizer)
+        except local_tokenizer.TokenizerLoadError as exc:
+            found.append(Problem(located.line(("engine", "tokenizer")), f"engine.{exc}"))
     return found
 
 

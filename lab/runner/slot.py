@@ -177,7 +177,8 @@ def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: m.Slot) 
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
     try:
         ask_eos = any(name == "decode" for name, _ in rc.ladder.instruments.sections())
-        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, ask_eos))
+        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, ask_eos,
+                                              getattr(rc.ladder.engine, "tokenizer", None)))
     except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
         caps = {"answered": False, "largest_prompt": {"tokens": largest}, "error": f"{type(exc).__name__}: {exc}"}
     log.info("capabilities: %s", capabilities.summary(caps))

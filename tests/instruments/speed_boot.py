@@ -65,7 +65,8 @@ class SpeedBench:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tests.speed"))
 
     def measure(self, instrument: Instrument, params: dict[str, Any], *, salt: str,
-                base_url: str | None = None, model: str = MODEL) -> Stored:
+                base_url: str | None = None, model: str = MODEL,
+                capabilities: dict[str, Any] | None = None) -> Stored:
         """Every planned step of `instrument` on a boot of its own, stored as `lab run` stores it:
         an exception from a step is that step's error."""
         run_id, slot_id, boot_id = self._boot()
@@ -74,7 +75,7 @@ class SpeedBench:
                           run_name=f"speed-{run_id}", slot_id=slot_id, boot_id=boot_id, arm="A1", window="W1",
                           role="arm", position="arm", salt=salt, engine_kind="bundled",
                           params=instrument.Params(**params), stored=StoredRows(self.store), control_boot_ids=[],
-                          mem=MemSampler(), log=self.log)
+                          mem=MemSampler(), log=self.log, capabilities=capabilities)
         for step in instrument.plan(ctx.params):
             started = writer.now()
             try:

@@ -192,3 +192,48 @@ def test_a_store_written_before_runs_had_a_reason_opens_and_gains_the_column(tmp
     open_store(str(db)).close()
     with sqlite3.connect(db) as con:
         assert "reason" in [row[1] for row in con.execute("PRAGMA table_info(run)")]
+
+
+COMMAND = """\
+name: c
+engine:
+  kind: command
+  executable: {executable}
+  command: ["{{executable}}", -m, some.server, --port, "{{port}}"]
+  model: m
+  tokenizer: {tokenizer}
+windows:
+  - name: W1
+    arms:
+      - {{name: A1, flags: {{seqs: 2}}}}
+instruments:
+  prefill: {{lengths: [256]}}
+"""
+
+
+@pytest.mark.parametrize("executable,tokenizer,line,reason", [
+    ("python3", "{tmp}/absent/tokenizer.json", 7, "engine.tokenizer {tmp}/absent/tokenizer.json: no such file"),
+    ("python3", "{tmp}/notes.txt", 7, "engine.tokenizer {tmp}/notes.txt: expected smollm2-135m, a .gguf file or a "
+                                      "tokenizer.json"),
+    ("python3", "{tmp}/broken.gguf", 7, "engine.tokenizer {tmp}/broken.gguf: {tmp}/broken.gguf is not a GGUF file"),
+    ("python3", "{tmp}/tokenizer.json", 7, "engine.tokenizer {tmp}/tokenizer.json: cannot read {tmp}/tokenizer.json: "
+                                           "Exception"),
+], ids=["tokenizer missing", "tokenizer of an unknown kind", "tokenizer not a GGUF", "tokenizer.json not JSON",
+        ])
+def test_a_command_engines_tokenizer_is_checked_before_anything_boots(tmp_path: Path, lab, capsys, executable: str,
+                                                                   tokenizer: str, line: int, reason: str) -> None:
+    (tmp_path / "notes.txt").write_text("not a tokenizer\n")
+    (tmp_path / "broken.gguf").write_bytes(b"GGML\0\0\0\0")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    path = tmp_path / "c.yaml"
+    path.write_text(COMMAND.format(executable=executable, tokenizer=tokenizer).replace("{tmp}", str(tmp_path)))
+    assert lab("run", "--dry-run", "c.yaml") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"lab: c.yaml:{line}: {reason.replace('{tmp}', str(tmp_path))}"), err
+
+
+def test_a_command_engine_that_names_a_readable_tokenizer_passes(tmp_path: Path, lab, capsys) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(COMMAND.format(executable="python3", tokenizer="smollm2-135m"))
+    assert lab("run", "--dry-run", "c.yaml") == 0, capsys.readouterr().err
