@@ -62,6 +62,13 @@ def test_analysis_and_reports_do_not_import_the_runner(path: Path) -> None:
     assert not runner, f"{path.relative_to(LAB)} imports {sorted(runner)}"
 
 
+@pytest.mark.parametrize("path", sorted((LAB / "instruments").rglob("*.py")), ids=lambda p: str(p.relative_to(LAB)))
+def test_instruments_import_neither_the_runner_nor_the_analysis_above_them(path: Path) -> None:
+    """Instruments measure; the runner drives them and the analysis judges what they stored."""
+    above = {m for m in imported_modules(path) if m.split(".")[:2] in (["lab", "runner"], ["lab", "analysis"])}
+    assert not above, f"{path.relative_to(LAB)} imports {sorted(above)}"
+
+
 def test_the_engine_api_imports_without_the_server_and_its_config_without_torch() -> None:
     code = ("import sys; import lab.engine; assert 'torch' not in sys.modules, 'torch'; "
             "from lab.engine import LLM, EngineConfig, SamplingParams; "

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from lab.analysis.stats import (PairedCounts, bootstrap_ratio_of_medians, mann_whitney, mcnemar_exact,
-                                median_of_repeats, min_reachable_p, noise_band, paired_counts, relative_delta)
+from lab.analysis.stats import (bootstrap_ratio_of_medians, mann_whitney, median_of_repeats, min_reachable_p,
+                                noise_band, relative_delta)
+from lab.instruments.paired import PairedCounts, mcnemar_exact, paired_counts
 
 counts = st.integers(min_value=0, max_value=60)
 positive = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False)

@@ -37,7 +37,8 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lab.analysis import keep, verdicts
-from lab.analysis.stats import median_of_repeats, noise_band, paired_counts, ratio_summary, relative_delta
+from lab.analysis.stats import median_of_repeats, noise_band, ratio_summary, relative_delta
+from lab.instruments.paired import paired_counts
 from lab.store import reader
 from lab.store.db import Store
 

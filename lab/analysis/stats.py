@@ -1,4 +1,5 @@
-"""The statistics behind verdicts: paired pass/fail tests, ratio intervals, rank tests, drift.
+"""The statistics behind verdicts: ratio intervals, rank tests, drift (the paired pass/fail test of
+qeval is `lab.instruments.paired`).
 
 Pure functions over plain numbers (no store, no I/O) so that `lab compare`, the KEEP rule and the
 reports all compute the same figures.
@@ -7,7 +8,7 @@ reports all compute the same figures.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,62 +21,6 @@ _EXACT_U_MAX_PAIRS = 2500
 # Bootstrap resamples are medianed in blocks of at most this many drawn indices, so that a long
 # sample (thousands of per-request latencies) does not need a resamples x n matrix at once.
 _BOOTSTRAP_BLOCK_ELEMENTS = 1 << 20
-
-
-def mcnemar_exact(b: int, c: int) -> float:
-    """Two-sided exact McNemar p for discordant pairs: b broke (control pass, arm fail), c fixed.
-
-    Under the null each discordant pair is a fair coin, so this is scipy's exact binomial test of
-    min(b, c) successes in b + c trials at 1/2; testing the smaller count makes p(b, c) == p(c, b)
-    exactly. b = c = 0 gives 1.0.
-    """
-    if b < 0 or c < 0:
-        raise ValueError(f"McNemar counts must be non-negative, got broke={b}, fixed={c}")
-    if b + c == 0:
-        return 1.0  # scipy refuses zero trials; no discordant pair is no evidence
-    return float(_scipy_stats.binomtest(min(b, c), b + c, 0.5).pvalue)
-
-
-@dataclass(frozen=True)
-class PairedCounts:
-    """Per-task pass/fail of an arm against its control, over the tasks both of them ran."""
-
-    both_pass: int
-    both_fail: int
-    broke: int  # passed on the control, failed on the arm
-    fixed: int  # failed on the control, passed on the arm
-    n: int  # tasks present on both sides (the four cells above add up to it)
-    missing: tuple[str, ...]  # task ids present on only one side, sorted
-
-    @property
-    def p_value(self) -> float:
-        """Exact McNemar p of broke vs fixed."""
-        return mcnemar_exact(self.broke, self.fixed)
-
-    def summary(self) -> str:
-        """One line for a gate's detail, e.g. '3 broke, 0 fixed, p=0.25'."""
-        text = f"{self.broke} broke, {self.fixed} fixed, p={self.p_value:.3g}"
-        if self.missing:
-            text += f", {len(self.missing)} task(s) on one side only"
-        return text
-
-
-def paired_counts(control: Mapping[str, bool], arm: Mapping[str, bool]) -> PairedCounts:
-    """Cross-tabulate task outcomes; tasks run on only one side are listed in `missing`."""
-    shared = control.keys() & arm.keys()
-    cells = {"both_pass": 0, "both_fail": 0, "broke": 0, "fixed": 0}
-    for task in shared:
-        on_control, on_arm = bool(control[task]), bool(arm[task])
-        if on_control and on_arm:
-            cells["both_pass"] += 1
-        elif not on_control and not on_arm:
-            cells["both_fail"] += 1
-        elif on_control:
-            cells["broke"] += 1
-        else:
-            cells["fixed"] += 1
-    missing = tuple(sorted(control.keys() ^ arm.keys()))
-    return PairedCounts(n=len(shared), missing=missing, **cells)
 
 
 def median_of_repeats(values: Sequence[float]) -> float:

@@ -11,21 +11,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel
 
 from lab.store.records import Step, StepResult
 from lab.store.stored_rows import StoredRows
 
-if TYPE_CHECKING:
-    from lab.runner.mem_sampler import MemSampler
-
 Better = Literal["higher", "lower"]
 
 # The note of a cell whose measurement means nothing on this engine (quality on random weights)
 # starts with this: such a cell is invalid, with no value, and is neither a failure nor a gap.
 NOT_APPLICABLE = "not applicable: "
+
+
+class MemFloor(Protocol):
+    """The host's MemAvailable since the engine started, as the runner samples it."""
+
+    def floor_bytes(self) -> int | None: ...
+
+    def samples(self) -> int: ...
 
 
 def random_weights_note(model: str) -> str:
@@ -54,7 +59,7 @@ class BootContext:
     params: BaseModel  # this instrument's validated ladder section
     stored: StoredRows  # read-only: this slot's and the opening control's stored rows
     control_boot_ids: list[int]  # warm control boots of this window measured before this one
-    mem: "MemSampler"  # host MemAvailable sampled since the engine started
+    mem: MemFloor  # host MemAvailable sampled since the engine started
     log: logging.Logger
     # What the capability probe found at this boot (lab/instruments/capabilities.py); None when
     # the instrument runs outside `lab run`, against an engine taken to have every capability.

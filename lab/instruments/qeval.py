@@ -38,11 +38,11 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lab.analysis.stats import paired_counts
 from lab.instruments.base import Better, BootContext, random_weights_note
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.opening_control import is_opening_control, load_reference
+from lab.instruments.paired import paired_counts
 from lab.instruments.qeval_task import QevalTask, load_tasks, task_set_hash
 from lab.instruments.scoring import Score, score, validate_tasks
 from lab.store.records import Cell, QevalItem, Step, StepResult

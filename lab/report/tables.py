@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from lab.analysis.keep import pct_text
-from lab.analysis.stats import paired_counts
+from lab.instruments.paired import paired_counts
 from lab.instruments.base import NOT_APPLICABLE
 from lab.instruments.capabilities import summary
 from lab.report.data import RunData
