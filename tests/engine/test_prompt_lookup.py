@@ -11,9 +11,10 @@ import torch
 from scipy.stats import chisquare
 
 from lab.engine.core.config import ConfigError, EngineConfig
-from lab.engine.core.prompt_lookup import FIRST_PAUSE, MAX_PAUSE, PATIENCE, Backoff, find_draft
+from lab.engine.core.prompt_lookup import FIRST_PAUSE, MAX_PAUSE, PATIENCE, Backoff, PromptLookup, find_draft
 from lab.engine.core.rejection_sampler import verify
 from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.core.sequence import Sequence
 from lab.engine.serve.llm import LLM
 from lab.instruments.decode import spec_cells, spec_counters
 from tests.engine.prompts import SHARED_PREFIX
@@ -56,22 +57,45 @@ def plain() -> LLM:
 
 
 def test_lookups_that_gain_nothing_pause_for_longer_each_time_until_a_token_is_accepted() -> None:
+    # Pauses are counted in engine steps and end on a multiple of FIRST_PAUSE.
     backoff = Backoff()
     for _ in range(PATIENCE - 1):
-        backoff.gained(0, outputs=10)
+        backoff.gained(0, step=10)
     assert backoff.resume_at == 0
-    backoff.gained(0, outputs=10)
-    assert backoff.resume_at == 10 + FIRST_PAUSE
+    backoff.gained(0, step=10)
+    assert backoff.resume_at == 32  # 10 + 16, on to the next multiple of 16
     for _ in range(PATIENCE):
-        backoff.gained(0, outputs=40)
-    assert backoff.resume_at == 40 + 2 * FIRST_PAUSE
+        backoff.gained(0, step=40)
+    assert backoff.resume_at == 80  # 40 + 2 x 16
     for _ in range(20 * PATIENCE):
-        backoff.gained(0, outputs=100)
-    assert backoff.resume_at == 100 + MAX_PAUSE
-    backoff.gained(2, outputs=200)
+        backoff.gained(0, step=100)
+    assert backoff.resume_at == 1136  # 100 + MAX_PAUSE, rounded up
+    assert MAX_PAUSE == 1024 and FIRST_PAUSE == 16
+    backoff.gained(2, step=200)
     for _ in range(PATIENCE):
-        backoff.gained(0, outputs=300)
-    assert backoff.resume_at == 300 + FIRST_PAUSE
+        backoff.gained(0, step=300)
+    assert backoff.resume_at == 320
+
+
+def test_sequences_that_start_on_different_steps_look_on_the_same_steps_after_their_first_pause() -> None:
+    # Four sequences start decoding one step apart (a chunked prefill) and never find a draft:
+    # every step on which one of them looks cannot overlap, so aligned pauses share those steps.
+    drafter = PromptLookup(EngineConfig(model="dummy:tiny", prompt_lookup=True), max_model_len=4096)
+    params = SamplingParams(max_tokens=1000, temperature=1.0)
+    seqs = [Sequence(i, f"r{i}", list(range(100 * i + 5, 100 * i + 69)), params) for i in range(4)]
+    looked: dict[int, list[int]] = {i: [] for i in range(4)}
+    for _ in range(300):
+        drafter.tick()
+        for seq in seqs[:drafter.step]:  # sequence i starts on step i + 1
+            if drafter.will_look(seq):
+                assert drafter.propose(seq, 8) == []
+                looked[seq.seq_id].append(drafter.step)
+    first_rounds = {i: steps[:PATIENCE] for i, steps in looked.items()}
+    assert first_rounds[0] == [1, 2, 3, 4] and first_rounds[3] == [4, 5, 6, 7]
+    later = {i: steps[PATIENCE:] for i, steps in looked.items()}
+    assert later[0] == later[1] == later[2] == later[3] == [32, 33, 34, 35, 80, 81, 82, 83, 160, 161, 162, 163]
+    sync_steps = {step for steps in looked.values() for step in steps}
+    assert len(sync_steps) == 7 + 3 * PATIENCE  # unaligned, every round would take 7 steps
 
 
 def test_with_overlapped_decode_drafts_still_verify_and_a_pause_lets_steps_overlap() -> None:

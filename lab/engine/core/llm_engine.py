@@ -154,6 +154,8 @@ class LLMEngine:
         is queued on the device and its tokens are read one call later, after the next step has
         been queued behind it, so the host's work (scheduling, inputs, outputs) hides behind the
         device's; a step that cannot overlap first collects the step in flight."""
+        if self.drafter is not None:
+            self.drafter.tick()
         plan = self.scheduler.schedule()
         if plan.scheduled:
             self.known_cost()

@@ -60,10 +60,12 @@ class SpecCounters:
 
 
 # A sequence whose last PATIENCE lookups gained nothing (no n-gram recurred, or every drafted
-# token was rejected) stops looking for FIRST_PAUSE output tokens, then twice as long after each
+# token was rejected) stops looking for FIRST_PAUSE engine steps, then twice as long after each
 # further run of misses, up to MAX_PAUSE; an accepted token ends the pause schedule. While every
-# running sequence pauses, decode steps overlap again (drafting needs each token on the host), so
-# text that does not repeat itself costs about one synchronised step and a lookup per pause.
+# running sequence pauses, decode steps overlap again (drafting needs each token on the host).
+# A pause ends on a step that is a multiple of FIRST_PAUSE, so the sequences of a batch, which
+# start decoding on different steps, look on the same steps: one step that cannot overlap serves
+# all of them, where unaligned pauses would each break a step of their own.
 PATIENCE = 4
 FIRST_PAUSE = 16
 MAX_PAUSE = 1024
@@ -74,15 +76,15 @@ class Backoff:
     """One sequence's lookups that gained nothing in a row, and its pause."""
     misses: int = 0
     pause: int = FIRST_PAUSE
-    resume_at: int = 0  # output tokens the sequence must reach before looking again
+    resume_at: int = 0  # the engine step from which the sequence looks again
 
-    def gained(self, accepted: int, outputs: int) -> None:
+    def gained(self, accepted: int, step: int) -> None:
         if accepted:
             self.misses, self.pause = 0, FIRST_PAUSE
             return
         self.misses += 1
         if self.misses >= PATIENCE:
-            self.misses, self.resume_at = 0, outputs + self.pause
+            self.misses, self.resume_at = 0, -(-(step + self.pause) // FIRST_PAUSE) * FIRST_PAUSE
             self.pause = min(2 * self.pause, MAX_PAUSE)
 
 
@@ -97,6 +99,11 @@ class PromptLookup:
         self.max_model_len = max_model_len
         self.counters = SpecCounters()
         self._backoff: dict[int, Backoff] = {}
+        self.step = 0  # the engine's steps so far: the clock pauses are aligned to
+
+    def tick(self) -> None:
+        """The engine starts a step."""
+        self.step += 1
 
     def _room(self, seq: Sequence, budget: int) -> int:
         p = seq.params
@@ -105,7 +112,7 @@ class PromptLookup:
     def _may_look(self, seq: Sequence, room: int) -> bool:
         backoff = self._backoff.get(seq.seq_id)
         return (room > 0 and drafts_allowed(seq.params)
-                and (backoff is None or seq.num_output_tokens >= backoff.resume_at))
+                and (backoff is None or self.step >= backoff.resume_at))
 
     def will_look(self, seq: Sequence) -> bool:
         """Whether `seq`'s next step looks for a draft: then its tokens must all be on the host."""
@@ -118,13 +125,13 @@ class PromptLookup:
             return []
         draft = find_draft(seq.token_ids, room, self.n_min, self.n_max)
         if not draft:
-            self._backoff.setdefault(seq.seq_id, Backoff()).gained(0, seq.num_output_tokens)
+            self._backoff.setdefault(seq.seq_id, Backoff()).gained(0, self.step)
         return draft
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Count a verified draft and feed its outcome to the sequence's backoff."""
         self.counters.record(drafted, accepted)
-        self._backoff.setdefault(seq.seq_id, Backoff()).gained(accepted, seq.num_output_tokens)
+        self._backoff.setdefault(seq.seq_id, Backoff()).gained(accepted, self.step)
 
     def forget(self, seq: Sequence) -> None:
         self._backoff.pop(seq.seq_id, None)
