@@ -122,3 +122,11 @@ def test_where_neither_works_the_probe_says_so_once_and_streams_end_early_flagge
     assert all(r.completion_tokens < 12 for r in requests), [r.completion_tokens for r in requests]
     assert cell.note == ("8 streams of 12 tokens; ignore_eos ignored by the engine; 8 streams did not produce "
                          "exactly max_tokens (they ended early: fewer tokens, same figures per token)"), cell.note
+
+
+def test_the_probe_asks_about_ignore_eos_where_an_instrument_sends_it() -> None:
+    # lab/runner/slot.py asks the probe for ignore_eos (and the ban) only where one does.
+    prefill, decode = PrefillInstrument(), DecodeInstrument()
+    assert decode.sends_ignore_eos(decode.Params())
+    assert prefill.sends_ignore_eos(prefill.Params(lengths=[64], tail_tokens=4))
+    assert not prefill.sends_ignore_eos(prefill.Params(lengths=[64]))
