@@ -143,7 +143,10 @@ def _from_json(spec: str, path: Path) -> LocalTokenizer:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     eos: list[int | None] = [backend.token_to_id(named["eos_token"])] if "eos_token" in named else []
     generation_path = path.parent / "generation_config.json"
-    generation = json.loads(generation_path.read_text("utf-8")) if generation_path.exists() else {}
+    try:  # only the EOS ids come from it: a broken one leaves them to the tokenizer's own
+        generation = json.loads(generation_path.read_text("utf-8")) if generation_path.exists() else {}
+    except (OSError, ValueError):
+        generation = {}
     stop = generation.get("eos_token_id") if isinstance(generation, dict) else None
     eos += stop if isinstance(stop, list) else [stop]
     eos += [i for i, added in backend.get_added_tokens_decoder().items() if added.special and added.content in END_TEXTS]
