@@ -83,3 +83,5 @@ class Instrument(Protocol):
     # is not checked on these points):
     #   cell_params(params) -> {metric: [params of each cell it stores per boot, repeats aside]}
     #   prompt_tokens(params) -> {ladder field: the most tokens (prompt + output) one request holds}
+    #   sends_ignore_eos(params) -> whether its requests must run to max_tokens (`ignore_eos`): the
+    #     capability probe then asks what the engine does with it, and whether an EOS ban works

@@ -11,6 +11,13 @@ own:
   `ignored` (it stopped early anyway), `refused` (HTTP 400), `unknown` (the chat did not stop
   early without it, so there was nothing to tell), or `not asked` (no instrument of the ladder
   sends it: two generations a boot saved).
+- `eos_ban`, where `ignore_eos` is `ignored` or `refused`: whether banning the end-of-sequence
+  tokens with `logit_bias` (`{id: -100}`, OpenAI's field) carries the same greedy chat to
+  `max_tokens`. The ids are the ladder's tokenizer's EOS ids (its metadata, `engine.tokenizer:`),
+  and the special end texts (`<|im_end|>`, `<|endoftext|>`, `</s>`, …, local_tokenizer.END_TEXTS)
+  that the tokenizer the probe uses makes one token each of. `{"ok": True, "ids": [...], "via": ...}`
+  lets decode and prefill's tail send the ban (`eos_ban_bias`) and say so in their cells;
+  `{"ok": False, "why": ...}` keeps today's behaviour: streams may end early, and are flagged.
 - `logprobs`: a completion asked for `logprobs` returned them.
 - `tokenizer`: the route that tokenizes a prompt (`/tokenize`, llama-cpp-python's
   `/extras/tokenize`), or None.
@@ -112,6 +119,9 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
             plain = await client.request({"model": endpoint.model, "messages": messages,
                                           "max_tokens": EOS_MAX_TOKENS, "temperature": 0, "stream": False})
             caps["ignore_eos"] = await _ignore_eos(client, endpoint.model, messages, plain)
+            if caps["ignore_eos"] in ("ignored", "refused"):
+                caps["eos_ban"] = await _eos_ban(extras, client, endpoint.model, messages, caps["ignore_eos"],
+                                                 tokenizer, via)
             # Not the forced reply: the special tokens generated past EOS leave no text to count.
             replies.append(plain)
         if unreadable is not None:
@@ -168,6 +178,61 @@ async def _ignore_eos(client: StreamingClient, model: str, messages: list[dict[s
     return "honoured" if forced.completion_tokens == EOS_MAX_TOKENS else "ignored"
 
 
+async def _eos_ban(extras: EngineExtras, client: StreamingClient, model: str, messages: list[dict[str, str]],
+                   ignore_eos: str, tokenizer: str | None, via: str | None) -> dict[str, Any]:
+    """Whether banning the EOS ids with `logit_bias` carries the chat `_ignore_eos` asked to
+    EOS_MAX_TOKENS: {"ok", "ids", "via"} or {"ok": False, "why"} (module docstring)."""
+    ids: list[int] = []
+    sources = []
+    if tokenizer is not None:
+        try:
+            ids += local_tokenizer.load(tokenizer).eos_ids
+            sources.append(ladder_tokenizer_name(tokenizer))
+        except local_tokenizer.TokenizerLoadError:
+            pass  # the token-count check says why; the route may still know the ids
+    found = await extras.single_tokens(local_tokenizer.END_TEXTS)
+    if found and via is not None and via not in sources:
+        sources.append(via)
+    ids = list(dict.fromkeys([*ids, *found]))
+    if not ids:
+        return {"ok": False, "why": "no EOS token ids known (no tokenizer route, no ladder tokenizer)"}
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": EOS_MAX_TOKENS, "temperature": 0,
+                            "logit_bias": eos_bias(ids), "stream": False}
+    if ignore_eos == "ignored":
+        body["ignore_eos"] = True
+    banned = await client.request(body)
+    shown = {"ids": ids, "via": " and ".join(sources)}
+    if banned.status == 400:
+        return {"ok": False, **shown, "why": f"logit_bias refused: {banned.error}"}
+    if not banned.ok or not banned.usage_present:
+        return {"ok": False, **shown, "why": f"no answer with usage: {banned.error or 'usage missing'}"}
+    if banned.completion_tokens != EOS_MAX_TOKENS:
+        return {"ok": False, **shown,
+                "why": f"the chat still ended after {banned.completion_tokens} of {EOS_MAX_TOKENS} tokens"}
+    return {"ok": True, **shown}
+
+
+def eos_bias(ids: list[int]) -> dict[str, int]:
+    """The `logit_bias` that bans `ids` (JSON keys are strings)."""
+    return {str(i): -100 for i in ids}
+
+
+def eos_ban_bias(caps: dict[str, Any] | None) -> dict[str, int] | None:
+    """The `logit_bias` a request that should run to `max_tokens` adds: where the probe found that
+    the engine does not honour `ignore_eos` and that banning the EOS ids works; else None."""
+    ban = (caps or {}).get("eos_ban") or {}
+    return eos_bias(ban["ids"]) if ban.get("ok") else None
+
+
+def eos_ban_note(caps: dict[str, Any] | None) -> str:
+    """The note of a cell whose streams carried the EOS ban, or ''."""
+    if eos_ban_bias(caps) is None:
+        return ""
+    assert caps is not None
+    verb = "refuses" if caps.get("ignore_eos") == "refused" else "ignores"
+    return f"EOS banned by logit_bias (the engine {verb} ignore_eos)"
+
+
 async def _check_counts(extras: EngineExtras, tokenizer: str | None, prompt: str, large: Receipt,
                         replies: list[Receipt]) -> dict[str, Any]:
     """Whether the tokenizer's counts (`tokenizer` names it) match the engine's `usage` on requests
@@ -211,7 +276,8 @@ def refusal(instrument: str, caps: dict[str, Any] | None) -> str | None:
 
 def summary(caps: dict[str, Any] | None) -> str:
     """One line for `lab ls` and the report, e.g.
-    `1537-token prompt ✓ · usage ✗ (counted by /extras/tokenize) · ignore_eos ignored · logprobs ✓ · …`."""
+    `1537-token prompt ✓ · usage ✗ (counted by /extras/tokenize) · ignore_eos ignored, EOS banned by
+    logit_bias ✓ · logprobs ✓ · …`."""
     if not caps:
         return ""
     large = caps.get("largest_prompt") or {}
@@ -231,7 +297,11 @@ def summary(caps: dict[str, Any] | None) -> str:
         checked = caps.get("token_count") or {}
         tok = f"✗, the ladder's {caps['ladder_tokenizer']} " + (
             "✓" if checked.get("ok") else f"✗ ({checked.get('why', 'not checked')})")
-    return " · ".join([f"{size} ✓", usage, f"ignore_eos {caps.get('ignore_eos', '?')}", f"logprobs {mark('logprobs')}",
+    eos = f"ignore_eos {caps.get('ignore_eos', '?')}"
+    ban = caps.get("eos_ban")
+    if ban:
+        eos += ", EOS banned by logit_bias ✓" if ban.get("ok") else f", EOS ban by logit_bias ✗ ({ban.get('why')})"
+    return " · ".join([f"{size} ✓", usage, eos, f"logprobs {mark('logprobs')}",
                        f"tokenizer {tok}", f"metrics {mark('metrics')}",
                        f"stats {mark('stats')}", f"cache reset {mark('prefix_cache_reset')}"])
 

@@ -4,8 +4,10 @@ A level sends C x ceil(categories / C) chat requests, so every category is asked
 and every wave is full: request i is category i mod 8. Each has its own salt at the start of its
 system message, T=0, a fixed `max_tokens`, and `ignore_eos` when the engine accepts it (a probe
 request with it is sent first; a 400 means it is refused), or as the capability probe found at
-boot: an engine that ignores it ends some streams early, and the cells count those streams. The client keeps exactly C requests in
-flight while any are waiting.
+boot: an engine that ignores (or refuses) it ends some streams early, so where the probe found that
+banning the end-of-sequence ids with `logit_bias` works, every stream carries that ban and the cells
+say "EOS banned by logit_bias (the engine ignores ignore_eos)"; streams that still end early are
+counted in the cells' notes. The client keeps exactly C requests in flight while any are waiting.
 
 Per level (params `{level}`, repeat = run): `agg_tok_s`, every completion token of the level
 (from `usage`) over the wall span from the first request handed over to the last response's end;
@@ -41,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field, conint, field_validator
 
 from lab.instruments.base import Better, BootContext
+from lab.instruments.capabilities import eos_ban_bias, eos_ban_note
 from lab.instruments.client import StreamingClient
 from lab.instruments.decode_prompts import CATEGORIES
 from lab.instruments.engine_extras import EngineExtras
@@ -111,6 +114,9 @@ class DecodeInstrument:
         assert isinstance(params, DecodeParams)
         return {"max_tokens": params.max_tokens + params.context_tokens + DECODE_PROMPT_TOKENS}
 
+    def sends_ignore_eos(self, params: BaseModel) -> bool:
+        return True
+
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params
         assert isinstance(params, DecodeParams)
@@ -126,20 +132,21 @@ class DecodeInstrument:
                 result.receipts.append(probe)
                 eos = "refused" if probe.status == 400 else "honoured"
             words = await filler_word_count(extras, params.context_tokens) if params.context_tokens else 0
+            ban, banned = eos_ban_bias(ctx.capabilities), eos_ban_note(ctx.capabilities)
             for run in range(C1_RUNS if level == 1 else 1):
-                payloads = self._payloads(ctx, params, level, run, eos != "refused", words)
+                payloads = self._payloads(ctx, params, level, run, eos != "refused", words, ban)
                 before = spec_counters(await extras.metrics_text())
                 first = len(result.receipts)
                 result.receipts += await client.run_all(payloads, level)
                 after = spec_counters(await extras.metrics_text())
                 counted = await count_missing_usage(extras, ctx.capabilities, result.receipts[first:])
                 result.cells += _level_cells(level, run, result.receipts, first, params.max_tokens, eos,
-                                             exclude=params.unvouched == "exclude", counted=counted)
+                                             exclude=params.unvouched == "exclude", counted=counted, banned=banned)
                 result.cells += spec_cells(level, run, before, after)
         return result
 
     def _payloads(self, ctx: BootContext, params: DecodeParams, level: int, run: int,
-                  ignore_eos: bool, filler: int = 0) -> list[dict[str, Any]]:
+                  ignore_eos: bool, filler: int = 0, ban: dict[str, int] | None = None) -> list[dict[str, Any]]:
         names = list(CATEGORIES)
         payloads = []
         for i in range(level * math.ceil(len(names) / level)):
@@ -153,6 +160,8 @@ class DecodeInstrument:
                 "messages": chat_messages(salt, question)}
             if ignore_eos:
                 payload["ignore_eos"] = True
+            if ban:
+                payload["logit_bias"] = ban
             payloads.append(payload)
         return payloads
 
@@ -167,10 +176,11 @@ async def filler_word_count(extras: EngineExtras, tokens: int) -> int:
 
 
 def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_tokens: int,
-                 ignore_eos: str, exclude: bool = False, counted: str = "") -> list[Cell]:
+                 ignore_eos: str, exclude: bool = False, counted: str = "", banned: str = "") -> list[Cell]:
     """The level's and its categories' cells from the receipts `receipts[first:]`; with `exclude`,
     the per-stream figures leave out the streams the client cannot vouch for. `ignore_eos` is what
-    the engine does with it (capabilities.py); `counted` notes tokens counted by a tokenizer."""
+    the engine does with it (capabilities.py); `counted` notes tokens counted by a tokenizer,
+    `banned` streams that carried the EOS ban instead."""
     names = list(CATEGORIES)
     indexes = list(range(first, len(receipts)))
     level_params = {"level": level}
@@ -196,7 +206,7 @@ def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_
     mine = [receipts[i] for i in indexes]
     short = sum(r.completion_tokens != max_tokens for r in mine)
     note = f"{len(mine)} streams of {max_tokens} tokens" + (
-        "" if ignore_eos == "honoured" else f"; ignore_eos {ignore_eos} by the engine")
+        "" if ignore_eos == "honoured" else f"; {banned}" if banned else f"; ignore_eos {ignore_eos} by the engine")
     if short:
         note += f"; {short} streams did not produce exactly max_tokens" + (
             "" if ignore_eos == "honoured" else " (they ended early: fewer tokens, same figures per token)")

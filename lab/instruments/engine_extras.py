@@ -86,6 +86,20 @@ class EngineExtras:
             self._empty_tokens = len(await self._must_tokenize(""))
         return len(await self._must_tokenize(text)) - self._empty_tokens
 
+    async def single_tokens(self, texts: tuple[str, ...]) -> list[int]:
+        """The ids of those `texts` the tokenizer makes one token of (besides what it adds to any
+        input, a BOS): special tokens such as `<|im_end|>`, where it reads them in a prompt (vLLM's
+        and llama-cpp-python's routes and the bundled engine's do). Empty without a tokenizer."""
+        empty = await self.tokenize(prompt="")
+        if empty is None:
+            return []
+        found = []
+        for text in texts:
+            ids = await self.tokenize(prompt=text)
+            if ids is not None and len(ids) == len(empty) + 1 and ids[:len(empty)] == empty:
+                found.append(ids[-1])
+        return list(dict.fromkeys(found))
+
     async def _must_tokenize(self, text: str) -> list[int]:
         tokens = await self.tokenize(prompt=text)
         if tokens is None:

