@@ -27,7 +27,7 @@
 #   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses;
 #   c64ctx calibrates benchmarks/ladders/h200-c64-context.yaml (C64 at 2K context, 4 boots); known-effect
 #   is the GPU test of the injected delay alone; cpu-intel is `lab engine bench --device cpu` of SmolLM2 on two of
-#   the host's cores (issue 13 item 6); noop-cpu is benchmarks/ladders/bundled-noop.yaml on two of them (issue 14)
+#   the host's cores (issue 13 item 6); noop-cpu is benchmarks/ladders/bundled-noop.yaml on two of them, after an 8-boot calibration (issue 14)
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -100,7 +100,9 @@ for stage in $stages; do
              --repeats 2 --served --json "$OUT/cpu_intel.json"; echo "bench exit $?"; } > "$OUT/cpu_intel.txt" 2>&1 ;;
     noop-cpu) # issue 14 on a quiet 2-core host: benchmarks/ladders/bundled-noop.yaml pinned to two of this host's cores
          db=$OUT/bnoop.db; run=bnoop-$commit
-         { OMP_NUM_THREADS=2 timeout 560 taskset -c 0,1 python3 -m lab run benchmarks/ladders/bundled-noop.yaml \
+         { OMP_NUM_THREADS=2 timeout 150 taskset -c 0,1 python3 -m lab calibrate benchmarks/ladders/bundled-noop.yaml \
+             --boots 8 --db "$db" --name "$run-calibration"; echo "lab calibrate exit $?"
+           OMP_NUM_THREADS=2 timeout 420 taskset -c 0,1 python3 -m lab run benchmarks/ladders/bundled-noop.yaml \
              --db "$db" --name "$run"; echo "lab run exit $?"
            python3 benchmarks/issue14_verdicts.py "$db" "$run"; } > "$OUT/noop_cpu.txt" 2>&1 ;;
     kernels) { timeout 90 python3 benchmarks/kernels/bench_gemv.py;
