@@ -45,24 +45,35 @@ def engine_server(tmp: Path, *flags: str, env: dict[str, str] | None = None,
                                 stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
     server = ServerProcess(proc, port, log)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine not ready after {timeout} s: {log.read_text()[-2000:]}")
-            time.sleep(0.05)  # connection refused costs nothing; ready is noticed within 50 ms
+        wait_healthy(proc, server.url, log, timeout, "engine")
         yield server
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float, what: str) -> None:
+    """Block until `url`/health answers 200; a process that exits or never answers is an error
+    carrying the tail of its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready after {timeout} s: {log.read_text()[-2000:]}")
+        time.sleep(0.05)  # connection refused costs nothing; ready is noticed within 50 ms
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process's group (it was started in a session of its own), SIGKILL after 10 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -98,6 +98,9 @@ def check_runs(store: Store, llamacpp_python: Path) -> None:
         assert (caps["streamed_usage"], caps["tokenizer"]) == (False, "/extras/tokenize"), caps
         assert caps["token_count"]["ok"], caps
         assert caps["ignore_eos"] in ("ignored", "unknown"), caps
+        if caps["ignore_eos"] == "ignored":
+            # llama.cpp's server honours OpenAI's logit_bias: the probe bans the EOS ids instead
+            assert caps["eos_ban"]["ok"], caps
         assert boot.fingerprint["engine"] == {"name": "llama_cpp_python", "version": "0.3.36",
                                               "source": f"{llamacpp_python}'s package metadata"}
     for boot in bundled:
@@ -123,6 +126,10 @@ def check_runs(store: Store, llamacpp_python: Path) -> None:
         assert not any("no value" in reason for reason in verdicts[0].reasons), verdicts[0].reasons
     counted = [c for c in _cells(store, [b.id for b in llama]) if (c.instrument, c.metric) == ("prefill", "prefill_tok_s")]
     assert counted and all("tokens counted by /extras/tokenize" in c.note for c in counted)
+    for boot in llama[1:]:
+        if (boot.capabilities.get("eos_ban") or {}).get("ok"):
+            decode = [c for c in _cells(store, [boot.id]) if (c.instrument, c.metric) == ("decode", "agg_tok_s")]
+            assert decode and all("EOS banned by logit_bias" in c.note for c in decode), [c.note for c in decode]
     ratios = _against_llamacpp_timing(store, llama[1:])
     print(f"\nside by side, first control boot: {json.dumps(figures, indent=1)}")
     print(f"lab prefill tok/s over llama.cpp's own prompt-eval tok/s, per request: {ratios}")

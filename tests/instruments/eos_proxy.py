@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,7 +77,7 @@ def main() -> None:
 @contextmanager
 def eos_proxy(upstream: str, log: Path, *flags: str, timeout: float = 60) -> Iterator[str]:
     """The proxy's base URL while it runs in front of `upstream`, started with `flags`."""
-    from tests.engine.server_process import free_port
+    from tests.engine.server_process import free_port, stop_group, wait_healthy
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -89,27 +87,10 @@ def eos_proxy(upstream: str, log: Path, *flags: str, timeout: float = 60) -> Ite
                                 cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"proxy exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"proxy not ready after {timeout} s: {log.read_text()[-2000:]}")
-            time.sleep(0.05)
+        wait_healthy(proc, url, log, timeout, "proxy")
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
 
 
 if __name__ == "__main__":
