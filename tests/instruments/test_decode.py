@@ -1,4 +1,4 @@
-"""decode on the real engine: aggregate throughput rises with concurrency, C1 runs twice, every
+"""decode on the real engine: each level keeps that many streams in flight, C1 runs twice, every
 category is measured at every level, and speculative counters are read when an engine has them."""
 
 from __future__ import annotations
@@ -17,14 +17,26 @@ MAX_TOKENS = 8
 
 
 @pytest.mark.slow
-def test_aggregate_rises_from_c1_to_c4_with_every_category_at_every_level(bench) -> None:
+def in_flight_at_most(requests) -> int:
+    """The most requests that were between sent and done at one moment."""
+    edges = sorted([(r.t_sent_ns, 1) for r in requests] + [(r.t_done_ns, -1) for r in requests])
+    most = now = 0
+    for _, change in edges:  # at a tie the end sorts first: back-to-back requests never overlap
+        now += change
+        most = max(most, now)
+    return most
+
+
+def test_each_level_keeps_that_many_streams_in_flight_with_every_category_measured(bench) -> None:
     stored = bench.measure(DecodeInstrument(), {"levels": [1, 4], "max_tokens": MAX_TOKENS}, salt="decode-a")
     assert [(s.key, s.status) for s in stored.steps] == [("C1", "ok"), ("C4", "ok")]
     c1 = [stored.cell("agg_tok_s", run, level=1) for run in (0, 1)]  # C1 twice: the KEEP median is their mean
     c4 = stored.cell("agg_tok_s", level=4)
     assert [c.repeat for c in stored.of("agg_tok_s")] == [0, 1, 0]
     assert all(c.valid for c in stored.cells), [c.note for c in stored.cells if not c.valid]
-    assert c4.value > statistics.fmean(c.value for c in c1)
+    # Concurrency is what the level promises (how much faster C4 runs is the engine's business, and a
+    # benchmark's): one stream at a time at C1, four at once at C4.
+    assert [in_flight_at_most(stored.requests_of(c)) for c in (*c1, c4)] == [1, 1, 4]
 
     for cell in (*c1, c4):
         requests = stored.requests_of(cell)
