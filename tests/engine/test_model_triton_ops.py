@@ -32,7 +32,7 @@ def _compare_steps() -> list[float]:
     from lab.engine.kernels import gemv, rmsnorm, silu_mul
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.model.attention import TorchAttention
-    from lab.engine.model.model import Model, Ops
+    from lab.engine.model.model import Model, Ops, SkinnyOps
     from lab.engine.model.triton_attention import TritonAttention
     from lab.engine.weights.loader import load_model
 
@@ -48,8 +48,8 @@ def _compare_steps() -> list[float]:
         return gemv.skinny_linear(x, w, norm_weight=norm_weight, eps=eps, rope=rope)
 
     ops = Ops(rms_norm=rmsnorm.rms_norm, silu_and_mul=silu_mul.silu_and_mul, rope_write_kv=rope_and_write_kv,
-              skinny_rows=gemv.MAX_ROWS, skinny_linear=gemv.skinny_linear,
-              skinny_silu_mul_linear=gemv.skinny_silu_mul_linear, skinny_qkv_rope_kv=qkv_rope_kv)
+              skinny=SkinnyOps(rows=gemv.MAX_ROWS, linear=gemv.skinny_linear,
+                               silu_mul_linear=gemv.skinny_silu_mul_linear, qkv_rope_kv=qkv_rope_kv))
     fast, fast_kv = build(TritonAttention(), ops)
     ref, ref_kv = build(TorchAttention(), None)
     gen = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ from lab.engine.core.cuda_graphs import DecodeGraphs
 from lab.engine.core.scheduler import ScheduledSeq
 from lab.engine.core.sequence import Sequence, TokenLogprob
 from lab.engine.model.attention import AttentionBackend, TorchAttention
-from lab.engine.model.model import Model, Ops
+from lab.engine.model.model import Model, Ops, SkinnyOps
 from lab.engine.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -66,17 +66,14 @@ def make_backends(config: EngineConfig, device: torch.device,
 
     ops = Ops(rms_norm=rmsnorm.rms_norm, silu_and_mul=silu_mul.silu_and_mul, rope_write_kv=rope_write_kv)
     if config.gemv_backend != "torch":
-        ops.skinny_rows = gemv.MAX_ROWS
-        ops.skinny_linear = gemv.skinny_linear
-        ops.skinny_silu_mul_linear = gemv.skinny_silu_mul_linear
-
         def qkv_rope_kv(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slots: torch.Tensor) -> torch.Tensor:
             rope = gemv.RopeKV(rows, k_cache, v_cache, slots, attention.k_scale, attention.v_scale)
             return gemv.skinny_linear(x, w, norm_weight=norm_weight, eps=eps, rope=rope)
 
-        ops.skinny_qkv_rope_kv = qkv_rope_kv
+        ops.skinny = SkinnyOps(rows=gemv.MAX_ROWS, linear=gemv.skinny_linear,
+                               silu_mul_linear=gemv.skinny_silu_mul_linear, qkv_rope_kv=qkv_rope_kv)
     return attention, ops
 
 

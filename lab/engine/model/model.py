@@ -32,24 +32,31 @@ class LayerWeights:
 
 
 @dataclass
+class SkinnyOps:
+    """Kernels for decode-sized steps (at most `rows` tokens): products that fold in what the
+    reference runs apart, the pre-norm before them and the residual add after them."""
+    rows: int
+    # (x, w, out_dtype=None, norm_weight=None, eps=, residual=None) -> x @ w.T, see gemv.skinny_linear
+    linear: Callable
+    # (gate_up, w, residual=None) -> silu_and_mul(gate_up) @ w.T (+ residual)
+    silu_mul_linear: Callable
+    # The q|k|v product with its pre-norm, RoPE and KV write fused in:
+    # (x, w, norm_weight, eps, rows, k_cache, v_cache, slots) -> q|k|v with q and k rotated
+    qkv_rope_kv: Callable | None = None
+
+
+@dataclass
 class Ops:
     """The kernels a model uses beside its attention; the defaults (`layers`, `F.linear`) are the
-    reference. A backend may add kernels for decode-sized products (`skinny_*`, used for products
-    of at most `skinny_rows` rows) and one that applies RoPE and writes the KV cache together; on
-    the CPU, `linear` is the host's measured product layouts (`cpu_linear`)."""
+    reference. A backend may add one that applies RoPE and writes the KV cache together, and
+    kernels for decode-sized steps (`skinny`); on the CPU, `linear` is the host's measured product
+    layouts (`cpu_linear`)."""
     linear: Callable = F.linear  # (x, w, bias) -> x @ w.T + bias
     rms_norm: Callable = layers.rms_norm
     silu_and_mul: Callable = layers.silu_and_mul
     apply_rope_rows: Callable = layers.apply_rope_rows
-    skinny_rows: int = 0
-    # (x, w, out_dtype=None, norm_weight=None, eps=, residual=None) -> x @ w.T, see gemv.skinny_linear
-    skinny_linear: Callable | None = None
-    # (gate_up, w, residual=None) -> silu_and_mul(gate_up) @ w.T (+ residual)
-    skinny_silu_mul_linear: Callable | None = None
     rope_write_kv: Callable | None = None  # (q, k, v, rows, k_cache, v_cache, slots) -> rotated q, k
-    # The skinny q|k|v product with its pre-norm, RoPE and KV write fused in:
-    # (x, w, norm_weight, eps, rows, k_cache, v_cache, slots) -> q|k|v with q and k rotated
-    skinny_qkv_rope_kv: Callable | None = None
+    skinny: SkinnyOps | None = None
 
 
 class Model:
@@ -96,42 +103,51 @@ class Model:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        rows = x.shape[0]
-        ops = self.ops
-        if ops.skinny_linear is not None and rows <= ops.skinny_rows:
-            y = ops.skinny_linear(x, w, out_dtype=out_dtype)
+        skinny = self.ops.skinny
+        if skinny is not None and x.shape[0] <= skinny.rows:
+            y = skinny.linear(x, w, out_dtype=out_dtype)
             return y.add_(bias) if bias is not None else y
-        y = ops.linear(x, w, bias)
+        y = self.ops.linear(x, w, bias)
         return y if out_dtype is None else y.to(out_dtype)
 
-    # The residual stream is carried as (hidden, residual). On the reference path a block's output
-    # stays apart from the stream until the next norm adds it (residual = the stream so far); on
-    # the skinny path the output products add it themselves, so residual is None between blocks
-    # and the norm is folded into the next product.
+    # Two ways through a layer, chosen once per step by its size. The reference layer keeps a
+    # block's output apart from the residual stream until the next norm adds it (rms_norm takes
+    # and returns the stream). The skinny layer's products add the stream themselves and fold the
+    # next pre-norm in, so between its blocks the hidden state is the stream.
 
-    def _norm_linear(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor,
-                     w: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rmsnorm(stream) * norm) @ w^T (+ bias), and the stream."""
-        if fused:
-            y = self.ops.skinny_linear(hidden, w, norm_weight=norm, eps=self.config.rms_norm_eps)
-            return (y.add_(bias) if bias is not None else y), hidden
-        h, residual = self.ops.rms_norm(hidden, norm, self.config.rms_norm_eps, residual)
-        return self.linear(h, w, bias), residual
+    def _reference_layer(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: LayerWeights,
+                         kv: tuple[torch.Tensor, torch.Tensor], rope_rows: torch.Tensor,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        ops, eps = self.ops, self.config.rms_norm_eps
+        h, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+        attn = self._attend(self.linear(h, layer.qkv, layer.qkv_bias), kv, rope_rows, meta, kv_written=False)
+        h, residual = ops.rms_norm(self.linear(attn, layer.o), layer.post_norm, eps, residual)
+        return self.linear(ops.silu_and_mul(self.linear(h, layer.gate_up)), layer.down), residual
 
-    def _attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: LayerWeights,
-                   kv: tuple[torch.Tensor, torch.Tensor], rope_rows: torch.Tensor, meta: AttentionMetadata,
-                   fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention block up to its output projection: ([T, H * D], the stream)."""
-        cfg, ops = self.config, self.ops
-        t = hidden.shape[0]
-        k_cache, v_cache = kv
-        kv_written = fused and ops.skinny_qkv_rope_kv is not None and layer.qkv_bias is None
-        if kv_written:
-            qkv = ops.skinny_qkv_rope_kv(hidden, layer.qkv, layer.input_norm, cfg.rms_norm_eps, rope_rows,
-                                         k_cache, v_cache, meta.slot_mapping)
-            residual = hidden
+    def _skinny_layer(self, skinny: SkinnyOps, stream: torch.Tensor, layer: LayerWeights,
+                      kv: tuple[torch.Tensor, torch.Tensor], rope_rows: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if skinny.qkv_rope_kv is not None and layer.qkv_bias is None:
+            qkv = skinny.qkv_rope_kv(stream, layer.qkv, layer.input_norm, eps, rope_rows, kv[0], kv[1],
+                                     meta.slot_mapping)
+            attn = self._attend(qkv, kv, rope_rows, meta, kv_written=True)
         else:
-            qkv, residual = self._norm_linear(hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, fused)
+            qkv = skinny.linear(stream, layer.qkv, norm_weight=layer.input_norm, eps=eps)
+            if layer.qkv_bias is not None:
+                qkv.add_(layer.qkv_bias)
+            attn = self._attend(qkv, kv, rope_rows, meta, kv_written=False)
+        stream = skinny.linear(attn, layer.o, residual=stream)
+        gate_up = skinny.linear(stream, layer.gate_up, norm_weight=layer.post_norm, eps=eps)
+        return skinny.silu_mul_linear(gate_up, layer.down, residual=stream)
+
+    def _attend(self, qkv: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], rope_rows: torch.Tensor,
+                meta: AttentionMetadata, kv_written: bool) -> torch.Tensor:
+        """Attention over a q|k|v product ([T, H * D]): RoPE and the KV write first unless a
+        product already did them."""
+        cfg, ops = self.config, self.ops
+        t = qkv.shape[0]
+        k_cache, v_cache = kv
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -142,24 +158,7 @@ class Model:
         elif not kv_written:
             q, k = ops.apply_rope_rows(q, k, rope_rows)
         attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=kv_written)
-        return attn.view(t, self.q_size), residual
-
-    def _out_linear(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
-                    fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A block's output projection: x @ w^T, added to the stream on the skinny path."""
-        if fused:
-            return self.ops.skinny_linear(x, w, residual=residual), None
-        return self.linear(x, w), residual
-
-    def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor, layer: LayerWeights,
-             fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        gate_up, residual = self._norm_linear(hidden, residual, layer.post_norm, layer.gate_up, None, fused)
-        ops = self.ops
-        if fused:
-            return ops.skinny_silu_mul_linear(gate_up, layer.down, residual=residual), None
-        if ops.skinny_silu_mul_linear is not None and gate_up.shape[0] <= ops.skinny_rows:
-            return ops.skinny_silu_mul_linear(gate_up, layer.down), residual
-        return self.linear(ops.silu_and_mul(gate_up), layer.down), residual
+        return attn.view(t, self.q_size)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -172,19 +171,18 @@ class Model:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every new token of the step."""
-        cfg = self.config
-        t = input_ids.shape[0]
+        eps = self.config.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)
         rope_rows = self.cos_sin.index_select(0, positions)  # shared by every layer
+        skinny = self.ops.skinny
+        if skinny is not None and input_ids.shape[0] <= skinny.rows:
+            for layer, kv in zip(self.layers, kv_cache):
+                hidden = self._skinny_layer(skinny, hidden, layer, kv, rope_rows, meta)
+            return self.ops.rms_norm(hidden, self.norm, eps, None)[0]
         residual: torch.Tensor | None = None
-        ops = self.ops
-        fused = ops.skinny_linear is not None and ops.skinny_silu_mul_linear is not None and t <= ops.skinny_rows
         for layer, kv in zip(self.layers, kv_cache):
-            attn, residual = self._attention(hidden, residual, layer, kv, rope_rows, meta, fused)
-            hidden, residual = self._out_linear(attn, layer.o, residual, fused)
-            hidden, residual = self._mlp(hidden, residual, layer, fused)
-        hidden, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
-        return hidden
+            hidden, residual = self._reference_layer(hidden, residual, layer, kv, rope_rows, meta)
+        return self.ops.rms_norm(hidden, self.norm, eps, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits, whatever the model dtype, so sampling and logprobs are stable."""
