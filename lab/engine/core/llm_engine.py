@@ -15,8 +15,9 @@ from lab.engine.core.block_manager import BlockManager
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.known_cost import KnownCost
 from lab.engine.core.kv_tiers import build_tiers
-from lab.engine.core.model_runner import InflightStep, ModelRunner, resolve_device, resolve_dtype
+from lab.engine.core.model_runner import ModelRunner, resolve_device, resolve_dtype
 from lab.engine.core.output_processor import OutputProcessor, RequestOutput
+from lab.engine.core.overlap import InflightStep, overlap_enabled, overlappable, trim_certain_finishers
 from lab.engine.core.prompt_lookup import PromptLookup
 from lab.engine.core.sampling_params import BadRequestError, SamplingParams
 from lab.engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -26,12 +27,6 @@ from lab.engine.model import cpu_linear
 from lab.engine.weights.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
-
-
-def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
-    if config.overlap_decode == "auto":
-        return device.type == "cuda"
-    return config.overlap_decode == "on"
 
 
 class EngineBusyError(RuntimeError):
@@ -160,8 +155,8 @@ class LLMEngine:
         if plan.scheduled:
             self.known_cost()
         inflight = self._inflight
-        if self.overlap and self._overlappable(plan):
-            self._trim_certain_finishers(plan)
+        if self.overlap and overlappable(plan, self.drafter):
+            trim_certain_finishers(plan, self.max_model_len)
             if plan.scheduled:
                 self._inflight = self.runner.launch_decode(plan.scheduled, inflight)
                 self.counters.steps += 1
@@ -185,23 +180,6 @@ class LLMEngine:
                 raise RuntimeError(f"request {seq.request_id} cannot be scheduled with an empty engine")
             return outputs
         return outputs + self._run_sync(plan)
-
-    def _overlappable(self, plan: SchedulerOutput) -> bool:
-        """A pure decode step whose outputs need nothing but the sampled token (and whose logits
-        need no processing: penalties and grammars read the tokens still pending on the device)."""
-        return not plan.preempted and all(
-            s.num_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens and s.samples
-            and s.seq.params.logprobs is None and not s.seq.wants_prompt_logprobs
-            and not s.seq.params.needs_processing
-            # a draft is read off the sequence's tokens, which an overlapped step leaves pending
-            and (self.drafter is None or not self.drafter.will_look(s.seq)) for s in plan.scheduled)
-
-    def _trim_certain_finishers(self, plan: SchedulerOutput) -> None:
-        """Leave out of an overlapped step the sequences whose pending token is certain to be
-        their last (max_tokens or the context reached): their rows would be computed for nothing."""
-        plan.scheduled = [s for s in plan.scheduled if not s.seq.num_pending or (
-            s.seq.num_tokens - s.seq.num_prompt_tokens < s.seq.params.max_tokens
-            and s.seq.num_tokens < self.max_model_len)]
 
     def _collect(self, inflight: InflightStep) -> list[RequestOutput]:
         """Read a launched step's tokens and turn them into outputs, as `_run_sync` does."""

@@ -12,8 +12,9 @@ from lab.engine.core import prompt_logprobs, rejection_sampler, sampler
 from lab.engine.core.attention_metadata import AttentionMetadata, build_metadata
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.cuda_graphs import DecodeGraphs
+from lab.engine.core.overlap import InflightStep
 from lab.engine.core.scheduler import ScheduledSeq
-from lab.engine.core.sequence import Sequence, TokenLogprob
+from lab.engine.core.sequence import TokenLogprob
 from lab.engine.model.attention import AttentionBackend, TorchAttention
 from lab.engine.model.model import Model, Ops, SkinnyOps
 from lab.engine.weights.loader import LoadedModel
@@ -75,21 +76,6 @@ def make_backends(config: EngineConfig, device: torch.device,
         ops.skinny = SkinnyOps(rows=gemv.MAX_ROWS, linear=gemv.skinny_linear,
                                silu_mul_linear=gemv.skinny_silu_mul_linear, qkv_rope_kv=qkv_rope_kv)
     return attention, ops
-
-
-@dataclass
-class InflightStep:
-    """A decode step launched on the device whose sampled tokens have not been read yet."""
-    seqs: list[Sequence]
-    tokens: torch.Tensor  # [n] sampled on the device; the next step's inputs are read from here
-    host_tokens: torch.Tensor  # [n] on the host, filled by a non-blocking copy of `tokens`
-    event: torch.cuda.Event | None  # recorded after that copy (None on the CPU)
-    rows: dict[int, int]  # seq_id -> row in `tokens`
-
-    def read_tokens(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host_tokens.tolist()
 
 
 @dataclass
