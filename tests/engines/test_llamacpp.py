@@ -131,7 +131,9 @@ def check_runs(store: Store, llamacpp_python: Path) -> None:
             decode = [c for c in _cells(store, [boot.id]) if (c.instrument, c.metric) == ("decode", "agg_tok_s")]
             assert decode and all("EOS banned by logit_bias" in c.note for c in decode), [c.note for c in decode]
     ratios = _against_llamacpp_timing(store, llama[1:])
-    print(f"\nside by side, first control boot: {json.dumps(figures, indent=1)}")
+    print(f"\nllama.cpp's probe: ignore_eos {llama[1].capabilities['ignore_eos']}, "
+          f"EOS ban {llama[1].capabilities.get('eos_ban')}")
+    print(f"side by side, first control boot: {json.dumps(figures, indent=1)}")
     print(f"lab prefill tok/s over llama.cpp's own prompt-eval tok/s, per request: {ratios}")
     assert abs(statistics.median(ratios) - 1) <= 0.05, ratios
 
