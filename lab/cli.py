@@ -80,7 +80,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from lab.runner import calibrate
     from lab.runner.run import execute
-    from lab.runner.slot import Interrupted
+    from lab.runner.errors import Interrupted
     from lab.store.db import open_store
 
     console = _console()
@@ -495,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging(args.verbose)
     from lab.ladder.errors import LadderError
-    from lab.runner.run import RunError
-    from lab.runner.slot import Interrupted
+    from lab.runner.errors import RunError
+    from lab.runner.errors import Interrupted
     from lab.store.db import StoreError
 
     try:

@@ -69,6 +69,20 @@ def test_instruments_import_neither_the_runner_nor_the_analysis_above_them(path:
     assert not above, f"{path.relative_to(LAB)} imports {sorted(above)}"
 
 
+def test_lab_ls_reads_the_store_without_loading_the_runner_or_scipy(tmp_path: Path) -> None:
+    """Listing runs only reads: it must not pay for the runner, the analysis and scipy (a second of
+    imports on a small host) on every call."""
+    from lab.store.db import open_store
+
+    open_store(str(tmp_path / "lab.db")).close()
+    code = ("import sys; from lab.cli import main; code = main(['ls', '--db', sys.argv[1]]); "
+            "loaded = [m for m in ('scipy', 'lab.runner.run', 'lab.analysis.verdicts') if m in sys.modules]; "
+            "assert code == 0 and not loaded, (code, loaded)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "lab.db")], capture_output=True, text=True,
+                          cwd=LAB.parent, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_engine_api_imports_without_the_server_and_its_config_without_torch() -> None:
     code = ("import sys; import lab.engine; assert 'torch' not in sys.modules, 'torch'; "
             "from lab.engine import LLM, EngineConfig, SamplingParams; "

@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from scipy import stats as _scipy_stats
-
 
 def mcnemar_exact(b: int, c: int) -> float:
     """Two-sided exact McNemar p for discordant pairs: b broke (control pass, arm fail), c fixed.
@@ -22,7 +20,10 @@ def mcnemar_exact(b: int, c: int) -> float:
         raise ValueError(f"McNemar counts must be non-negative, got broke={b}, fixed={c}")
     if b + c == 0:
         return 1.0  # scipy refuses zero trials; no discordant pair is no evidence
-    return float(_scipy_stats.binomtest(min(b, c), b + c, 0.5).pvalue)
+    # scipy.stats costs half a second to import: commands that only list runs never need it.
+    from scipy import stats
+
+    return float(stats.binomtest(min(b, c), b + c, 0.5).pvalue)
 
 
 @dataclass(frozen=True)

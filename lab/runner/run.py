@@ -30,16 +30,13 @@ from lab.ladder.ladder import Ladder
 from lab.ladder.validate import load_ladder, parse_ladder
 from lab.runner import boot as engine_boot
 from lab.runner import fingerprint
-from lab.runner.slot import Interrupted, RunContext, run_slot
+from lab.runner.errors import Interrupted, RunError
+from lab.runner.slot import RunContext, run_slot
 from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store
 
 log = logging.getLogger("lab.run")
-
-
-class RunError(RuntimeError):
-    """The run cannot go on; one line a person can act on."""
 
 
 @dataclass

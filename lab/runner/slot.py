@@ -38,10 +38,6 @@ DEATH_GRACE_S = 2.0
 MIN_PROBE_PROMPT = 64
 
 
-class Interrupted(BaseException):
-    """`lab run` was asked to stop (Ctrl-C or SIGTERM); the slot stays pending for --resume."""
-
-
 @dataclass
 class RunContext:
     store: Store

@@ -18,7 +18,8 @@ import yaml
 from lab.ladder import render
 from lab.ladder.validate import load_ladder, parse_ladder
 from lab.runner import fingerprint
-from lab.runner.run import RunError, create_from_text
+from lab.runner.errors import RunError
+from lab.runner.run import create_from_text
 from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store

@@ -39,8 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from lab.ladder.errors import LadderError
 from lab.ladder.ladder import Gate
 from lab.runner import boot as engine_boot
-from lab.runner.run import RunError
-from lab.runner.slot import Interrupted
+from lab.runner.errors import Interrupted, RunError
 from lab.store import reader, writer
 from lab.store.db import Store
 from lab.store.study_storage import study_storage
