@@ -79,8 +79,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from lab.runner import calibrate
-    from lab.runner.run import execute
     from lab.runner.errors import Interrupted
+    from lab.runner.run import execute
     from lab.store.db import open_store
 
     console = _console()
@@ -495,8 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging(args.verbose)
     from lab.ladder.errors import LadderError
-    from lab.runner.errors import RunError
-    from lab.runner.errors import Interrupted
+    from lab.runner.errors import Interrupted, RunError
     from lab.store.db import StoreError
 
     try:

@@ -36,8 +36,8 @@ controls interpolated at its place) instead of by its point figure:
   measured noise (precedence 4, like a missing figure).
 With two or more arm boots the controls' drift is interpolated, not a reason to void the window;
 a single arm boot keeps the drift limit, so a drifting window never gives a keep: a drift its
-calibration explains is judged by the (wide) interval, one beyond it leaves that metric undecided. Every metric
-states the minimum detectable effect its design has, or that it has none.
+calibration explains is judged by the (wide) interval, one beyond it leaves that metric undecided.
+Every metric states the minimum detectable effect its design has, or that it has none.
 
 Cold boots never enter a figure; each exclusion is stated in the reasons. When both sides have at
 least two repeats, each metric row also carries a bootstrap interval of the ratio of medians and a
@@ -359,11 +359,13 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
         return _judge_interval(rule, metric, base, found, shown_controls, drift, row_fields)
 
     if drift_voids:
-        shown_drift = f"controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % > {rule.drift_limit_pct:g} %"
+        shown_drift = (f"controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % > "
+                       f"{rule.drift_limit_pct:g} %")
         row = replace(base, status=MetricStatus.DRIFT, **row_fields)
         if explained is None:
             # No noise model: nothing says which figures the move touched, so none of the window is trusted.
-            return row, _Finding(_Kind.WINDOW_VOID, f"{shown_drift} on {name} ({shown_controls}): window inconclusive")
+            return row, _Finding(_Kind.WINDOW_VOID,
+                                 f"{shown_drift} on {name} ({shown_controls}): window inconclusive")
         # A calibrated metric's own controls vouch for it: a drift beyond one metric's calibrated noise
         # leaves that metric undecided (it can never keep) while metrics whose controls agree still decide.
         return row, _Finding(_Kind.MISSING, f"{name} undecided: {shown_drift} ({shown_controls}), beyond the "

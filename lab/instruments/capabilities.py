@@ -46,8 +46,8 @@ from typing import Any
 
 import httpx
 
-from lab.instruments.client import StreamingClient
 from lab.instruments import local_tokenizer
+from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.prompts import filler_words, fit_prompt, salt_line
 from lab.instruments.receipt import Receipt

@@ -149,7 +149,8 @@ def _from_json(spec: str, path: Path) -> LocalTokenizer:
         generation = {}
     stop = generation.get("eos_token_id") if isinstance(generation, dict) else None
     eos += stop if isinstance(stop, list) else [stop]
-    eos += [i for i, added in backend.get_added_tokens_decoder().items() if added.special and added.content in END_TEXTS]
+    eos += [i for i, added in backend.get_added_tokens_decoder().items()
+            if added.special and added.content in END_TEXTS]
     return LocalTokenizer(spec, str(path), backend, template if isinstance(template, str) else None, named,
                           _distinct_ids(eos))
 

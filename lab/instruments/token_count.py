@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from lab.instruments.capabilities import count_note
+from lab.instruments.capabilities import count_note, ladder_tokenizer_name
 from lab.instruments.client import COMPLETIONS
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.receipt import Receipt
@@ -44,4 +44,4 @@ async def count_missing_usage(extras: EngineExtras, caps: dict[str, Any] | None,
 def sized_note(extras: EngineExtras) -> str:
     """The note of a cell whose prompt was sized by the ladder's tokenizer (the engine counted its
     tokens in `usage`), or ''."""
-    return f"prompt sized by the ladder's tokenizer {extras.local_name}" if extras.local_name else ""
+    return f"prompt sized by {ladder_tokenizer_name(extras.local_name)}" if extras.local_name else ""

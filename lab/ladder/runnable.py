@@ -4,10 +4,9 @@
 its boots and then fail, or hurt the host: a window with no arm to judge, a KEEP metric whose
 `where` does not pick exactly one cell per boot (checked against the cells each instrument
 declares, without running it), a request longer than the engine's context or than the host can
-build in memory, a memory floor above what the host has, a command engine's `tokenizer` that is not there or
-cannot be read. They apply to a ladder about to run
-(`lab run`, `--dry-run`), not to a stored ladder read back for a report: a store written on
-another host must stay readable here.
+build in memory, a memory floor above what the host has, a command engine's `tokenizer` that is
+not there or cannot be read. They apply to a ladder about to run (`lab run`, `--dry-run`), not to
+a stored ladder read back for a report: a store written on another host must stay readable here.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ import psutil
 
 from lab.engine.core import config as engine_config
 from lab.engine.model.model_config import PRESETS
-from lab.instruments import REGISTRY
-from lab.instruments import local_tokenizer
+from lab.instruments import REGISTRY, local_tokenizer
 from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 from lab.ladder import render
 from lab.ladder.errors import Problem
@@ -58,7 +56,7 @@ def _engine_files(ladder: Ladder, located: Located) -> list[Problem]:
     engine = ladder.engine
     if not isinstance(engine, CommandEngine):
         return []
-    found = []
+    found: list[Problem] = []
     if engine.tokenizer is not None:
         try:
             local_tokenizer.load(engine.tokenizer)

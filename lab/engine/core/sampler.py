@@ -113,10 +113,9 @@ def draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     one sample. torch.multinomial first checks the distribution with a value read back from the
     device, so on a GPU every sampled row of every step waited for the device and ended the lead an
     overlapped decode step has; this draw only queues kernels."""
-    # Per-row generator: a seeded request gets the same tokens whatever its batch.
-    device = gen.device if gen is not None else probs.device
-    noise = torch.empty(probs.shape, dtype=torch.float32, device=device).exponential_(generator=gen)
-    return (probs / noise.to(probs.device)).argmax(-1)
+    # Per-row generator (on the engine's device): a seeded request gets the same tokens whatever its batch.
+    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=gen)
+    return (probs / noise).argmax(-1)
 
 
 def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int]) -> list[TokenLogprob]:
