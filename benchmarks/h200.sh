@@ -27,7 +27,9 @@
 #   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses;
 #   c64ctx calibrates benchmarks/ladders/h200-c64-context.yaml (C64 at 2K context, 4 boots); known-effect
 #   is the GPU test of the injected delay alone; cpu-intel is `lab engine bench --device cpu` of SmolLM2 on two of
-#   the host's cores (issue 13 item 6); noop-cpu is benchmarks/ladders/bundled-noop.yaml on two of them, after an 8-boot calibration (issue 14)
+#   the host's cores (issue 13 item 6); noop-cpu is benchmarks/ladders/bundled-noop.yaml on two of them, after an 8-boot calibration (issue 14); noop-cal and noop-run
+#   split it across two calls. A stage written bg:STAGE runs on cores 0 and 1 beside the call's other stages,
+#   which are kept off those cores; its files come back in bg.tgz
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -43,8 +45,8 @@ stages=${*:-bf16 fp8 tests kernels smollm2}
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } > "$OUT/env.txt" 2>&1
 big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-batched-tokens 8192
      --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --throughput-tokens 1024)
-for stage in $stages; do
-  ls "$OUT" > /tmp/h200-before.txt
+run_stage() {
+  local stage=$1
   case $stage in
     bf16) timeout 330 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 2048,8192,32768,131000 \
             --concurrency 32 --repeats 2 --throughput 64,256 --json "$OUT/llama3_8b_bf16.json" \
@@ -105,6 +107,17 @@ for stage in $stages; do
            OMP_NUM_THREADS=2 timeout 420 taskset -c 0,1 python3 -m lab run benchmarks/ladders/bundled-noop.yaml \
              --db "$db" --name "$run"; echo "lab run exit $?"
            python3 benchmarks/issue14_verdicts.py "$db" "$run"; } > "$OUT/noop_cpu.txt" 2>&1 ;;
+    noop-cal|noop-run) # noop-cpu in two calls (each beside a GPU stage, as bg:noop-cal then bg:noop-run): the
+         # store is carried in .cache/lab/ (carry [".cache/lab"]) from the calibration to the run
+         mkdir -p .cache/lab; db=.cache/lab/bnoop.db; run=bnoop-$commit
+         { if [ "$stage" = noop-cal ]; then
+             OMP_NUM_THREADS=2 timeout 200 taskset -c 0,1 python3 -m lab calibrate benchmarks/ladders/bundled-noop.yaml \
+               --boots 8 --db "$db" --name "$run-calibration"; echo "lab calibrate exit $?"
+           else
+             OMP_NUM_THREADS=2 timeout 500 taskset -c 0,1 python3 -m lab run benchmarks/ladders/bundled-noop.yaml \
+               --db "$db" --name "$run"; echo "lab run exit $?"
+             python3 benchmarks/issue14_verdicts.py "$db" "$run"; fi; } > "$OUT/$stage.txt" 2>&1
+         cp "$db" "$OUT/bnoop.db" ;;
     kernels) { timeout 90 python3 benchmarks/kernels/bench_gemv.py;
             timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
@@ -166,12 +179,44 @@ for stage in $stages; do
             --throughput-tokens 1024 --json "$OUT/smollm2_bf16.json" > "$OUT/smollm2_bf16.txt" 2>&1 ;;
   esac
   echo "$stage exit $?" >> "$OUT/env.txt"
-  # A device call returns at most 8 files: a stage that wrote several leaves them as one archive.
-  mapfile -t made < <(ls "$OUT" | grep -vxF -f /tmp/h200-before.txt)
+}
+# A device call returns at most 8 files: a stage that wrote several leaves them as one archive.
+pack() {
+  local stage=$1 before=$2 made f
+  mapfile -t made < <(ls "$OUT" | grep -vxF -f "$before")
   for f in "${made[@]}"; do case $f in *.txt) echo "== $stage: $f"
     grep -E "figure:|Model name|│ (decode|prefill|mixed)|passed|failed|Error|exit|reject|keep|inconclusive|resume|TTFT|ttft" "$OUT/$f" \
       | grep -v -i warn | tail -40 | cut -c 1-220 ;; esac; done
   if [ "${#made[@]}" -gt 1 ]; then tar czf "$OUT/$stage.tgz" -C "$OUT" "${made[@]}" && (cd "$OUT" && rm -f "${made[@]}"); fi
+}
+# A stage named bg:STAGE (a CPU stage pinned to cores 0 and 1) runs beside the others, which are kept
+# off those cores and their hyperthread siblings, so one call measures a quiet 2-core host and the GPU.
+bg=()
+for stage in $stages; do [ "${stage#bg:}" != "$stage" ] && bg+=("${stage#bg:}"); done
+if [ "${#bg[@]}" -gt 0 ]; then
+  ( OUT=/tmp/bgout; mkdir -p "$OUT"; for stage in "${bg[@]}"; do run_stage "$stage"; done ) > /tmp/bg.log 2>&1 &
+  bgpid=$!
+  fg=$(python3 -c 'import os
+near = set()
+for c in (0, 1):
+    for part in open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read().strip().split(","):
+        a, _, b = part.partition("-"); near.update(range(int(a), int(b or a) + 1))
+print(",".join(str(c) for c in sorted(os.sched_getaffinity(0) - near)))')
+  echo "background ${bg[*]} on cores 0,1; the rest on $fg" >> "$OUT/env.txt"
+  [ -n "$fg" ] && taskset -pc "$fg" $$ > /dev/null
+fi
+for stage in $stages; do
+  [ "${stage#bg:}" != "$stage" ] && continue
+  ls "$OUT" > /tmp/h200-before.txt
+  run_stage "$stage"
+  pack "$stage" /tmp/h200-before.txt
 done
+if [ "${#bg[@]}" -gt 0 ]; then
+  wait "$bgpid"
+  for f in /tmp/bgout/*.txt; do echo "== bg: $f"
+    grep -E "exit|reject|keep|inconclusive|no effect|undecided|sd|SD" "$f" | grep -v -i warn | tail -40 | cut -c 1-220; done
+  cat /tmp/bgout/env.txt >> "$OUT/env.txt"
+  cp /tmp/bg.log /tmp/bgout/ && tar czf "$OUT/bg.tgz" -C /tmp/bgout .
+fi
 cat "$OUT/env.txt"
 true
