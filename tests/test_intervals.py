@@ -144,3 +144,41 @@ def test_one_boot_in_a_window_that_drifts_as_much_as_its_calibration_says_is_jud
 def test_every_verdict_states_its_minimum_detectable_effect(controls, arm, noise) -> None:
     verdict = judge(RULE, interleaved(controls, arm, noise=noise))
     assert sum(r.startswith(f"{DECODE.name}: minimum detectable effect") for r in verdict.reasons) == 1
+
+
+PREFILL = KeyMetric("prefill.prefill_tok_s_median[length=32000]", higher_is_better=True)
+CALIBRATED = {DECODE.name: Noise(sd_log=0.005, df=5, source="calibration cal-1"),
+              PREFILL.name: Noise(sd_log=0.005, df=5, source="calibration cal-1")}
+
+
+def two_metrics(decode: float, prefill: float) -> ArmEvidence:
+    """One arm boot between two controls at 100 on both metrics, with the calibration above."""
+    controls = [BootValues(f"C#{i}", {DECODE.name: 100.0, PREFILL.name: 100.0}, at=float(i)) for i in (0, 2)]
+    return ArmEvidence(arm=[BootValues("A#1", {DECODE.name: decode, PREFILL.name: prefill}, at=1.0)],
+                       opening_control=controls[0], closing_control=controls[1], noise=CALIBRATED)
+
+
+def test_an_interval_straddling_only_plus_threshold_does_not_block_another_metrics_keep() -> None:
+    # fp8 KV on the H200: C64 +13 % [+11, +15] beside 32K prefill +1.3 % [-0.2, +2.7]: the second
+    # cannot be a regression beyond 2 %, so the first keeps.
+    verdict = judge(KeepRule(2.0, [DECODE, PREFILL]), two_metrics(113.0, 101.3))
+    rows = {row.name: row for row in verdict.metrics}
+    assert rows[PREFILL.name].status is MetricStatus.UNDECIDED
+    assert rows[PREFILL.name].interval.low_pct >= -2 and rows[PREFILL.name].interval.high_pct > 2
+    assert verdict.decision is Decision.KEEP
+    assert any("straddles +2 %" in r for r in verdict.reasons)
+
+
+def test_an_interval_straddling_minus_threshold_still_blocks_a_keep() -> None:
+    # The same improvement beside a metric that may regress by more than 2 %: not kept.
+    verdict = judge(KeepRule(2.0, [DECODE, PREFILL]), two_metrics(113.0, 98.7))
+    assert verdict.metrics[1].interval.low_pct < -2 < verdict.metrics[1].interval.high_pct
+    assert verdict.decision is Decision.INCONCLUSIVE
+    assert "straddles ±2 %" in verdict.reasons[0]
+
+
+def test_a_possible_gain_alone_is_inconclusive_not_a_reject() -> None:
+    # Nothing established, but more boots could show a gain: say so rather than reject.
+    verdict = judge(KeepRule(2.0, [DECODE, PREFILL]), two_metrics(100.2, 101.3))
+    assert verdict.decision is Decision.INCONCLUSIVE
+    assert "straddles +2 %" in verdict.reasons[0] and "boots" in verdict.reasons[0]

@@ -23,7 +23,9 @@ Precedence when several findings apply (first match decides):
 4. a missing or unusable figure (no warm arm boot, an absent or non-finite value, a zero
    reference, a gate without a result) makes the verdict inconclusive: nothing passes silently;
 5. an improvement beyond the threshold keeps;
-6. otherwise reject: a change that improves nothing is not kept.
+6. an interval that straddles +threshold only (it may improve, it cannot regress) is undecided:
+   inconclusive when nothing else improves, since more boots could make it a keep;
+7. otherwise reject: a change that improves nothing is not kept.
 
 Interval verdicts. When the spread of a boot is known, from two or more warm boots of the arm
 (a ladder's `repeats:`) or from a calibration of the metric (`lab calibrate`), a metric is judged
@@ -32,8 +34,10 @@ controls interpolated at its place) instead of by its point figure:
 - the interval above +threshold is an improvement; below -threshold a regression;
 - entirely inside ±threshold is "no effect larger than the threshold", which rejects like a change
   that improves nothing;
-- straddling either edge is undecided: inconclusive, with the repeats that would resolve it at the
-  measured noise (precedence 4, like a missing figure).
+- straddling -threshold is undecided (it may regress): inconclusive, with the repeats that would
+  resolve it at the measured noise (precedence 4, like a missing figure);
+- straddling +threshold alone rules a regression out, so it does not stand in the way of another
+  metric's improvement; with no improvement elsewhere it is inconclusive (precedence 6).
 With two or more arm boots the controls' drift is interpolated, not a reason to void the window;
 a single arm boot keeps the drift limit, so a drifting window never gives a keep: a drift its
 calibration explains is judged by the (wide) interval, one beyond it leaves that metric undecided.
@@ -214,7 +218,8 @@ class _Kind(IntEnum):
     REGRESSION = 3
     MISSING = 4
     IMPROVEMENT = 5
-    INFO = 6
+    POSSIBLE_GAIN = 6  # an interval straddling +threshold only: no regression, no established gain
+    INFO = 7
 
 
 class _Finding(NamedTuple):
@@ -288,7 +293,8 @@ def judge(rule: KeepRule, evidence: ArmEvidence) -> Verdict:
     deciding = min((f.kind for f in findings), default=_Kind.INFO)
     decision = {_Kind.GATE_FAILED: Decision.REJECT, _Kind.WINDOW_VOID: Decision.INCONCLUSIVE,
                 _Kind.REGRESSION: Decision.REJECT, _Kind.MISSING: Decision.INCONCLUSIVE,
-                _Kind.IMPROVEMENT: Decision.KEEP, _Kind.INFO: Decision.REJECT}[deciding]
+                _Kind.IMPROVEMENT: Decision.KEEP, _Kind.POSSIBLE_GAIN: Decision.INCONCLUSIVE,
+                _Kind.INFO: Decision.REJECT}[deciding]
     if deciding is _Kind.INFO:
         findings.insert(0, _Finding(_Kind.INFO, f"no key metric improves by more than "
                                                 f"{rule.threshold_pct:g} %: a change that improves "
@@ -405,8 +411,11 @@ def _judge_interval(rule: KeepRule, metric: KeyMetric, base: MetricRow, found: I
         status, kind, what = MetricStatus.WITHIN, _Kind.INFO, f"no effect larger than {threshold:g} %"
     else:
         needed = effects.repeats_needed(found, threshold)
-        status, kind = MetricStatus.UNDECIDED, _Kind.MISSING
-        what = (f"undecided: the interval straddles ±{threshold:g} %; "
+        # Straddling +threshold alone cannot hide a regression: it does not block another metric's keep.
+        kind = _Kind.POSSIBLE_GAIN if found.low_pct >= -threshold else _Kind.MISSING
+        status = MetricStatus.UNDECIDED
+        edge = f"+{threshold:g}" if kind is _Kind.POSSIBLE_GAIN else f"±{threshold:g}"
+        what = (f"undecided: the interval straddles {edge} %; "
                 + (f"about {needed} boots of the arm would resolve it at the measured noise" if needed else
                    f"more than {effects.MAX_SUGGESTED_REPEATS} boots would be needed at the measured noise"))
     drift_text = (f"; controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % ({shown_controls}), "
