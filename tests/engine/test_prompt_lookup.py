@@ -64,16 +64,17 @@ def test_lookups_that_gain_nothing_pause_for_longer_each_time_until_a_token_is_a
     assert backoff.resume_at == 0
     backoff.gained(0, step=10)
     assert backoff.resume_at == 32  # 10 + 16, on to the next multiple of 16
-    for _ in range(PATIENCE):
-        backoff.gained(0, step=40)
+    backoff.gained(0, step=40)  # after a pause, one fruitless look pauses again
     assert backoff.resume_at == 80  # 40 + 2 x 16
-    for _ in range(20 * PATIENCE):
+    for _ in range(20):
         backoff.gained(0, step=100)
     assert backoff.resume_at == 1136  # 100 + MAX_PAUSE, rounded up
     assert MAX_PAUSE == 1024 and FIRST_PAUSE == 16
-    backoff.gained(2, step=200)
-    for _ in range(PATIENCE):
+    backoff.gained(2, step=200)  # an accepted token: PATIENCE misses again before the next pause
+    for _ in range(PATIENCE - 1):
         backoff.gained(0, step=300)
+    assert backoff.resume_at == 1136
+    backoff.gained(0, step=300)
     assert backoff.resume_at == 320
 
 
@@ -93,9 +94,10 @@ def test_sequences_that_start_on_different_steps_look_on_the_same_steps_after_th
     first_rounds = {i: steps[:PATIENCE] for i, steps in looked.items()}
     assert first_rounds[0] == [1, 2, 3, 4] and first_rounds[3] == [4, 5, 6, 7]
     later = {i: steps[PATIENCE:] for i, steps in looked.items()}
-    assert later[0] == later[1] == later[2] == later[3] == [32, 33, 34, 35, 80, 81, 82, 83, 160, 161, 162, 163]
+    # After the first pause each round is one look, on the same step for all four.
+    assert later[0] == later[1] == later[2] == later[3] == [32, 64, 128, 256]
     sync_steps = {step for steps in looked.values() for step in steps}
-    assert len(sync_steps) == 7 + 3 * PATIENCE  # unaligned, every round would take 7 steps
+    assert len(sync_steps) == 7 + 4  # unaligned, every round would take 4 steps
 
 
 def test_with_overlapped_decode_drafts_still_verify_and_a_pause_lets_steps_overlap() -> None:

@@ -60,8 +60,9 @@ class SpecCounters:
 
 
 # A sequence whose last PATIENCE lookups gained nothing (no n-gram recurred, or every drafted
-# token was rejected) stops looking for FIRST_PAUSE engine steps, then twice as long after each
-# further run of misses, up to MAX_PAUSE; an accepted token ends the pause schedule. While every
+# token was rejected) stops looking for FIRST_PAUSE engine steps; after a pause one more fruitless
+# look pauses it again, twice as long, up to MAX_PAUSE (each look costs a step that cannot overlap,
+# and the sequence has already shown it rarely repeats); an accepted token ends the schedule. While every
 # running sequence pauses, decode steps overlap again (drafting needs each token on the host).
 # A pause ends on a step that is a multiple of FIRST_PAUSE, so the sequences of a batch, which
 # start decoding on different steps, look on the same steps: one step that cannot overlap serves
@@ -83,7 +84,7 @@ class Backoff:
             self.misses, self.pause = 0, FIRST_PAUSE
             return
         self.misses += 1
-        if self.misses >= PATIENCE:
+        if self.misses >= (PATIENCE if self.pause == FIRST_PAUSE else 1):
             self.misses, self.resume_at = 0, -(-(step + self.pause) // FIRST_PAUSE) * FIRST_PAUSE
             self.pause = min(2 * self.pause, MAX_PAUSE)
 
