@@ -1,7 +1,12 @@
 """Turn a step's logits into next tokens: logits processing (penalties, bias, allowed ids,
 min_tokens, grammars) for the requests that ask for it, then greedy, temperature, top-k, top-p,
 min-p and per-request seeds; logprobs of the model's own (unprocessed, unscaled) distribution
-with top-k alternatives, as vLLM reports them by default."""
+with top-k alternatives, as vLLM reports them by default.
+
+A step's sampled rows are drawn together: one temperature and softmax for all the rows without
+a top-k, top-p or min-p filter, one noise call for all the unseeded rows, one draw and one
+write-back. What stays per row: a filtered row's distribution, and a seeded row's noise, made from
+its own generator so that its tokens do not depend on the rest of the batch."""
 
 from __future__ import annotations
 
@@ -84,21 +89,63 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: Seq[int]
     return out
 
 
+def _filtered(p: SamplingParams, vocab: int) -> bool:
+    """Whether top-k, min-p or top-p cut a sampled row's distribution (a top-k of the whole
+    vocabulary cuts nothing, so such a row can take the batched path)."""
+    return 0 < p.top_k < vocab or p.min_p > 0.0 or p.top_p < 1.0
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without waiting for the device: a blocking
+    host-to-device copy synchronises the stream and would end an overlapped decode step's lead.
+    The caching host allocator keeps a pinned source alive until its queued copy has run."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            seqs: list[Sequence] | None = None, eos_ids: Seq[int] = ()) -> torch.Tensor:
     """One next token per row of `logits` ([N, V] float32). Greedy rows never draw randomness,
-    so a request's output does not depend on what else is in the batch. `seqs` (the rows'
-    sequences) are needed only when a request asks for logits processing."""
+    and a seeded row draws only from its own generator, so neither's output depends on what else
+    is in the batch. `seqs` (the rows' sequences) are needed only when a request asks for logits
+    processing. Which rows are greedy, seeded or filtered is read from the params on the host:
+    nothing here waits for the device."""
     if seqs is not None and any(p.needs_processing for p in params):
         logits = process_logits(logits, seqs, eos_ids)
-    tokens = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):  # decided on the host: no device sync
-        return tokens
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        tokens[i] = draw(target_probs(logits[i], p), generators[i])
-    return tokens
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1)
+    n, vocab = logits.shape
+    device = logits.device
+    # Sampled rows ordered filtered-unseeded, unfiltered-unseeded, unfiltered-seeded,
+    # filtered-seeded: the unfiltered rows are then one slice (one temperature and softmax) and so
+    # are the unseeded ones (one noise call). The sort is stable: batch order within a group.
+    rank = {(True, False): 0, (False, False): 1, (False, True): 2, (True, True): 3}
+    kind = {i: (_filtered(p, vocab), generators[i] is not None) for i, p in enumerate(params) if not p.greedy}
+    order = sorted(kind, key=lambda i: rank[kind[i]])
+    groups = [rank[kind[i]] for i in order]
+    lo = groups.count(0)  # order[lo:hi] are unfiltered, order[:unseeded] unseeded
+    unseeded = lo + groups.count(1)
+    hi = unseeded + groups.count(2)
+    idx = _to_device(order, torch.long, device)
+    parts = [target_probs(logits[i], params[i]).unsqueeze(0) for i in order[:lo]]
+    if hi > lo:
+        # In place here and in the draw below: both tensors are fresh, and on the CPU each new
+        # [n, V] buffer is memory mapped anew, its page faults about 13 % of a 32 x 128k call.
+        temps = _to_device([params[i].temperature for i in order[lo:hi]], torch.float32, device)
+        parts.append(logits.index_select(0, idx[lo:hi]).div_(temps[:, None]).softmax(-1))
+    parts += [target_probs(logits[i], params[i]).unsqueeze(0) for i in order[hi:]]
+    probs = parts[0] if len(parts) == 1 else torch.cat(parts)
+    # Each seeded row fills its own row of the noise, which gives the values `draw` would from the
+    # same generator state; the unseeded rows share the device's default generator.
+    noise = torch.empty(probs.shape, dtype=torch.float32, device=device)
+    if unseeded:
+        noise[:unseeded].exponential_()
+    for j in range(unseeded, len(order)):
+        noise[j].exponential_(generator=generators[order[j]])
+    chosen = probs.div_(noise).argmax(-1)
+    tokens = logits.argmax(dim=-1) if len(order) < n else torch.empty(n, dtype=torch.long, device=device)
+    return tokens.index_copy_(0, idx, chosen)
 
 
 def target_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
