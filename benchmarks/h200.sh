@@ -21,7 +21,8 @@
 #   lab-dmon.txt (a call of its own: the ladder takes most of ten minutes); served is batch-1 and
 #   64-stream decode offline and through the server, at three GIL switch intervals, with a py-spy
 #   profile (--gil: who holds the GIL) of each served engine when py-spy is in .whl; spec is batch-1 and
-#   32-stream decode plain and with prompt lookup, sampled (temperature 1) and greedy; tier-restart is
+#   32-stream decode plain and with prompt lookup, sampled (temperature 1) and greedy; sampler is
+#   benchmarks/sampler_batch.py (32 seeded rows drawn together against one at a time); tier-restart is
 #   benchmarks/tier_restart.py at 100K tokens; inject3 is benchmarks/ladders/h200-inject3.yaml (10 arms with
 #   a true 3 % slowdown) after a 3-boot calibration, tallied; calibrate is 7 control boots of
 #   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses;
@@ -72,6 +73,7 @@ run_stage() {
            timeout 120 python3 -m lab.engine bench "${big[@]}" "${extra[@]}" --prefill-lengths "" --decode-tokens 256 \
              --concurrency 32 --repeats 3 --reference none --throughput "" --json "$OUT/spec_$mode.json" \
              > "$OUT/spec_$mode.txt" 2>&1; done ;;
+    sampler) timeout 120 python3 benchmarks/sampler_batch.py > "$OUT/sampler_batch.txt" 2>&1 ;;
     tier-restart) timeout 300 python3 benchmarks/tier_restart.py --model dummy:llama3-8b --device cuda \
             --context-tokens 100000 --turn-tokens 10000 --repeats 2 --file-tier-bytes 21474836480 \
             --workdir /tmp/tier-restart --json "$OUT/tier_restart.json" > "$OUT/tier_restart.txt" 2>&1 ;;
