@@ -92,7 +92,8 @@ run_stage() {
             > "$OUT/gpu_known_effect.txt" 2>&1 ;;
     calibrate) # 7 control boots of ladders/h200.yaml into .cache/lab/lab-h200.db (carry [".cache/lab"]):
          # the lab stage of the next call runs the ladder into the same store and is judged with them
-         mkdir -p .cache/lab
+         # a fresh store: a warm machine keeps .cache/ from the previous call, whose run names would clash
+         mkdir -p .cache/lab; rm -f .cache/lab/lab-h200.db
          # CAL_LIMIT shortens it to share a call; cut short, it still stores the noise of the boots it finished
          { timeout "${CAL_LIMIT:-560}" python3 -m lab calibrate ladders/h200.yaml --boots 7 --db .cache/lab/lab-h200.db \
              --name "h200-$commit-calibration7"; echo "lab calibrate exit $?"; } > "$OUT/calibrate.txt" 2>&1
@@ -113,6 +114,7 @@ run_stage() {
          # store is carried in .cache/lab/ (carry [".cache/lab"]) from the calibration to the run
          mkdir -p .cache/lab; db=.cache/lab/bnoop.db; run=bnoop-$commit
          { if [ "$stage" = noop-cal ]; then
+             rm -f "$db"
              OMP_NUM_THREADS=2 timeout 200 taskset -c 0,1 python3 -m lab calibrate benchmarks/ladders/bundled-noop.yaml \
                --boots 8 --db "$db" --name "$run-calibration"; echo "lab calibrate exit $?"
            else
