@@ -4,7 +4,7 @@ Run right after a boot answered its first completion, it finds out, each with a 
 own:
 
 - `answered`: a real request of the ladder's largest size (its instruments' longest request,
-  prompt and output) was answered. Readiness means this, not a 1-token prompt: an engine that crashes on long prompts
+  prompt and output, or `hygiene.probe_prompt_tokens` where the ladder caps it: `capped_from`) was answered. Readiness means this, not a 1-token prompt: an engine that crashes on long prompts
   fails its boot here instead of storing a run of invalid cells.
 - `streamed_usage`: a stream asked for `stream_options.include_usage` carried `usage`.
 - `ignore_eos`: `honoured` (a greedy chat that stops early by itself ran to `max_tokens` with it),
@@ -282,6 +282,8 @@ def summary(caps: dict[str, Any] | None) -> str:
         return ""
     large = caps.get("largest_prompt") or {}
     size = f"{large.get('tokens', '?')}{'' if large.get('exact', True) else '≈'}-token prompt"
+    if large.get("capped_from"):
+        size += f" (capped; the ladder's largest is {large['capped_from']})"
     if not caps.get("answered"):
         return f"{size} ✗ ({caps.get('error', 'no answer')})"
 

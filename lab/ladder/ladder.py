@@ -6,7 +6,7 @@ KEEP metrics some instrument produces) live in `lab.ladder.validate`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, create_model, model_validator
 
@@ -134,6 +134,11 @@ class Hygiene(Strict):
         False, description="true: boot the base once first, unmeasured, to warm caches; a list of arm or control "
                            "names: boot each of those once first, unmeasured (an arm whose change needs caches "
                            "of its own, such as kernels only it compiles, is otherwise cold on its only boot)")
+
+    probe_prompt_tokens: Optional[int] = Field(
+        None, ge=64, description="the most tokens the capability probe's large request holds at each boot (default: "
+                                 "the ladder's largest request); where that prefill takes minutes (a 1M-token "
+                                 "prompt) the probe would otherwise double every boot, warm-ups included")
 
     def warmup_names(self, first_control: str) -> list[str]:
         """The arms (or controls) booted once, unmeasured, before the first window."""

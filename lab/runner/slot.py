@@ -109,7 +109,9 @@ def run_slot(rc: RunContext, slot: m.Slot) -> str:
         writer.update_boot(rc.store, boot_id, **fields)
         if not caps.get("answered"):
             large = caps.get("largest_prompt", {}).get("tokens")
-            return _fail(rc, slot, boot_id, "failed", f"not ready: a {large}-token prompt (the ladder's largest) "
+            which = ("hygiene.probe_prompt_tokens" if caps.get("largest_prompt", {}).get("capped_from")
+                     else "the ladder's largest")
+            return _fail(rc, slot, boot_id, "failed", f"not ready: a {large}-token prompt ({which}) "
                          f"was not answered: {caps.get('error')}", proc, sampler)
         at_ready = stats
         log.info("%s ready in %.1f s%s", label, ready.seconds, " (cold)" if cold else "")
@@ -169,6 +171,10 @@ def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: m.Slot) 
         declare = getattr(rc.instruments[name], "prompt_tokens", None)
         if declare is not None:
             largest = max(largest, *declare(params).values())
+    cap = rc.ladder.hygiene.probe_prompt_tokens
+    capped_from = largest if cap is not None and largest > cap else None
+    if capped_from is not None:
+        largest = cap
     endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
     try:
@@ -178,6 +184,8 @@ def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: m.Slot) 
                                               getattr(rc.ladder.engine, "tokenizer", None)))
     except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
         caps = {"answered": False, "largest_prompt": {"tokens": largest}, "error": f"{type(exc).__name__}: {exc}"}
+    if capped_from is not None:
+        caps.setdefault("largest_prompt", {"tokens": largest})["capped_from"] = capped_from
     log.info("capabilities: %s", capabilities.summary(caps))
     return caps
 

@@ -84,7 +84,9 @@ REFUSED: list[tuple[str, bytes, int, str]] = [
                                                        "where: {level: 1}}\nhygiene:").encode(), 18,
      "keep.gates[0]: memory.peak_memory_gib: unknown where key 'level' (its cells have no params)"),
     ("memory floor above the host", variant("min_mem_available_gib: 1", "min_mem_available_gib: 100000").encode(),
-     17, "100000 GiB is more than this host has (16.0 GiB in all)"),
+     17, "100000 GiB is more than this host has (16.0 GiB in all)"),    ("probe prompt below the probe's own minimum",
+     variant("min_mem_available_gib: 1}", "min_mem_available_gib: 1, probe_prompt_tokens: 10}").encode(), 17,
+     "hygiene.probe_prompt_tokens: Input should be greater than or equal to 64"),
 ]
 
 
