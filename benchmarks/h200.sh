@@ -28,8 +28,9 @@
 #   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses;
 #   c64ctx calibrates benchmarks/ladders/h200-c64-context.yaml (C64 at 2K context, 4 boots); known-effect
 #   is the GPU test of the injected delay alone; cpu-intel is `lab engine bench --device cpu` of SmolLM2 on two of
-#   the host's cores (issue 13 item 6); noop-cpu is benchmarks/ladders/bundled-noop.yaml on two of them, after an 8-boot calibration (issue 14); noop-cal and noop-run
-#   split it across two calls. A stage written bg:STAGE runs on cores 0 and 1 beside the call's other stages,
+#   the host's cores (issue 13 item 6); noop-cal and noop-run are benchmarks/ladders/bundled-noop.yaml on
+#   two of them (issue 14): an 8-boot calibration, then the ladder in the next call (together they
+#   are longer than one call, so each goes beside a GPU stage). A stage written bg:STAGE runs on cores 0 and 1 beside the call's other stages,
 #   which are kept off those cores; its files come back in bg.tgz
 set -u
 cd "$(dirname "$0")/.."
@@ -103,15 +104,8 @@ run_stage() {
          { lscpu | grep -E "^Model name|^Flags" | cut -c 1-900
            OMP_NUM_THREADS=2 timeout 170 taskset -c 0,1 python3 -m lab.engine bench --device cpu --model dummy:smollm2-135m --prefill-lengths 512 \
              --repeats 2 --served --json "$OUT/cpu_intel.json"; echo "bench exit $?"; } > "$OUT/cpu_intel.txt" 2>&1 ;;
-    noop-cpu) # issue 14 on a quiet 2-core host: benchmarks/ladders/bundled-noop.yaml pinned to two of this host's cores
-         db=$OUT/bnoop.db; run=bnoop-$commit
-         { OMP_NUM_THREADS=2 timeout 150 taskset -c 0,1 python3 -m lab calibrate benchmarks/ladders/bundled-noop.yaml \
-             --boots 8 --db "$db" --name "$run-calibration"; echo "lab calibrate exit $?"
-           OMP_NUM_THREADS=2 timeout 420 taskset -c 0,1 python3 -m lab run benchmarks/ladders/bundled-noop.yaml \
-             --db "$db" --name "$run"; echo "lab run exit $?"
-           python3 benchmarks/issue14_verdicts.py "$db" "$run"; } > "$OUT/noop_cpu.txt" 2>&1 ;;
-    noop-cal|noop-run) # noop-cpu in two calls (each beside a GPU stage, as bg:noop-cal then bg:noop-run): the
-         # store is carried in .cache/lab/ (carry [".cache/lab"]) from the calibration to the run
+    noop-cal|noop-run) # usually bg:noop-cal beside calibrate, then bg:noop-run beside lab: the store is
+         # carried in .cache/lab/ (carry [".cache/lab"], or a warm machine) from the calibration to the run
          mkdir -p .cache/lab; db=.cache/lab/bnoop.db; run=bnoop-$commit
          { if [ "$stage" = noop-cal ]; then
              rm -f "$db"
