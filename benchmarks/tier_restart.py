@@ -36,11 +36,11 @@ from lab.runner.boot import EngineProcess, child_env, free_port
 SETTINGS = ("off", "file")
 
 
-def stream_ttft(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, dict]:
-    """(seconds to the first streamed text, usage) of one greedy completion."""
+def stream_ttft(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, dict, str]:
+    """(seconds to the first streamed text, usage, the text) of one greedy completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    first, usage = None, {}
+    first, usage, text = None, {}, []
     started = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as response:
         response.raise_for_status()
@@ -53,7 +53,8 @@ def stream_ttft(url: str, model: str, prompt: list[int], max_tokens: int) -> tup
             for choice in chunk.get("choices", []):
                 if first is None and choice.get("text"):
                     first = time.perf_counter() - started
-    return (first if first is not None else float("nan")), usage
+                text.append(choice.get("text") or "")
+    return (first if first is not None else float("nan")), usage, "".join(text)
 
 
 class Engine:
@@ -102,7 +103,7 @@ def run_setting(setting: str, args: argparse.Namespace, base: list[str], workdir
         started = time.perf_counter()
         for chunk in chunks[:-1]:
             history += chunk
-            ttft, _ = stream_ttft(engine.url, args.model, history, args.max_tokens)
+            ttft, _, _ = stream_ttft(engine.url, args.model, history, args.max_tokens)
             play_ttfts.append(ttft)
         play_s = time.perf_counter() - started
         stats = engine.stats()
@@ -118,12 +119,12 @@ def run_setting(setting: str, args: argparse.Namespace, base: list[str], workdir
             # Each resume writes the new turn's blocks; every restart starts from the played file.
             shutil.copyfile(played, path)
         with Engine(flags, logs, args.model) as engine:
-            ttft, usage = stream_ttft(engine.url, args.model, resume, args.max_tokens)
+            ttft, usage, text = stream_ttft(engine.url, args.model, resume, args.max_tokens)
             stats = engine.stats()
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         by_tier = stats["prefix_cache"].get("hits_by_tier", {})
         result["resumes"].append({"ttft_s": ttft, "cached_tokens": cached, "cold": stats["cold"],
-                                  "hits_by_tier": by_tier})
+                                  "hits_by_tier": by_tier, "text": text})
         print(f"{setting}: restart {i + 1}: resume of {len(resume)} tokens, TTFT {ttft:.3f} s, cached {cached} "
               f"(file {by_tier.get('file', {}).get('tokens', 0)})", flush=True)
     result["resume_ttft_median_s"] = statistics.median(r["ttft_s"] for r in result["resumes"])
@@ -166,9 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"resume TTFT after restart, median of {args.repeats}: "
           + ", ".join(f"{k} {v:.3f} s" for k, v in medians.items())
           + (f" ({medians['off'] / medians['file']:.1f}x)" if len(medians) == 2 else ""))
+    # The tier must change nothing but time: every resume, from the file or recomputed, answers the
+    # same greedy text.
+    texts = {r["text"] for result in results for r in result["resumes"]}
+    same = len(texts) == 1
+    print(f"greedy output of the resumes: {'identical' if same else f'{len(texts)} different texts'} "
+          f"across {', '.join(args.settings)} ({sum(len(r['resumes']) for r in results)} resumes)")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
-                                        indent=1))
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                                         "greedy_identical": same}, indent=1))
 
 
 if __name__ == "__main__":

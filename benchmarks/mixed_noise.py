@@ -1,0 +1,157 @@
+"""Where the noise of "a short chat behind a long prefill" comes from, on the served engine.
+
+The mixed instrument's chat waits for the whole long prefill (the long prompt fills each step's
+token budget), so the chat's time to first token is the long prefill's time minus the delay, and
+any scatter of that prefill lands on the chat, amplified by long / (long - delay). In the lab's
+H200 runs the long prompt of the mixed probe scattered about twice as much, request to request,
+as the same-length prompts of the prefill instrument. This script boots one engine and sends, in
+interleaved rounds, the same kind of cold long prompt under each condition that differs between
+the two instruments:
+
+    alone      the long prompt by itself (as the prefill instrument sends it)
+    after-chat a short chat first, then the long prompt (the mixed probe's order, nothing concurrent)
+    chat       the long prompt, and `--delay` s later a short chat (the mixed probe)
+    ids        the long prompt, and `--delay` s later a short completion given as token ids
+               (no chat template, no tokenizer: only the scheduling of a second request)
+
+Every long prompt is cold: fresh text, and the prefix cache is reset before it. Prints, per
+condition, the median and the request-to-request spread (SD of the log) of the long prompt's
+time to first token and of the short request's.
+
+    python benchmarks/mixed_noise.py --model dummy:llama3-8b --device cuda --long-tokens 32000 --rounds 12 \\
+        -- --dtype bfloat16 --max-model-len 40960 --max-num-batched-tokens 8192 --cuda-graph-max-batch-size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from lab.runner.boot import EngineProcess, child_env, free_port
+
+CONDITIONS = ("alone", "after-chat", "chat", "ids")
+WORDS = ("harbour lantern meadow courier garden valley teacher kettle library frost market tower "
+         "station wagon fence engineer baker chapel pantry village").split()
+
+
+async def ttft(client: httpx.AsyncClient, path: str, body: dict, t0: float) -> tuple[float, float]:
+    """(seconds from t0 to the request's send, seconds from its send to its first streamed token)."""
+    sent = time.perf_counter()
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                # A chat stream opens with the role alone; the first token is the first text.
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    return sent - t0, time.perf_counter() - sent
+    raise RuntimeError(f"{path}: no token arrived")
+
+
+async def one_round(client: httpx.AsyncClient, model: str, condition: str, long_text: str, short_ids: list[int],
+                    salt: str, delay: float) -> dict[str, float]:
+    chat = {"model": model, "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "system", "content": f"Session {salt}. You are a helpful AI assistant."},
+                         {"role": "user", "content": "In two or three sentences, why do leaves change colour?"}]}
+    if condition == "after-chat":
+        await ttft(client, "/v1/chat/completions", chat, time.perf_counter())
+    (await client.post("/reset_prefix_cache")).raise_for_status()
+    long = {"model": model, "prompt": long_text, "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(ttft(client, "/v1/completions", long, t0))]
+    if condition in ("chat", "ids"):
+        await asyncio.sleep(delay)
+        short = chat if condition == "chat" else {"model": model, "prompt": short_ids, "max_tokens": 16,
+                                                   "temperature": 0}
+        tasks.append(asyncio.create_task(ttft(client, "/v1/chat/completions" if condition == "chat"
+                                              else "/v1/completions", short, t0)))
+    results = await asyncio.gather(*tasks)
+    out = {"long_s": results[0][1]}
+    if len(results) > 1:
+        out["short_s"] = results[1][1]
+    return out
+
+
+def long_text(rng: random.Random, tokens: int) -> str:
+    # About one token a word with this vocabulary; the exact count does not matter here, only
+    # that every condition draws from the same distribution of lengths.
+    return f"Session {rng.getrandbits(48):012x}. " + " ".join(rng.choice(WORDS) for _ in range(tokens - 8))
+
+
+async def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    rng = random.Random(args.seed)
+    found: dict[str, list[dict[str, float]]] = {c: [] for c in args.conditions}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        # One warm-up of every condition: the first long prompt of a fresh engine is slower.
+        for rnd in range(args.rounds + 1):
+            order = list(args.conditions)
+            rng.shuffle(order)
+            for condition in order:
+                text = long_text(rng, args.long_tokens)
+                ids = [rng.randrange(100, 30000) for _ in range(60)]
+                row = await one_round(client, model, condition, text, ids, f"{rng.getrandbits(48):012x}",
+                                      args.delay)
+                if rnd:
+                    found[condition].append(row)
+    return found
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """(median, SD of the log as a percentage)."""
+    logs = [math.log(v) for v in values]
+    return statistics.median(values), 100 * statistics.stdev(logs) if len(logs) > 1 else float("nan")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--long-tokens", type=int, default=1536)
+    ap.add_argument("--delay", type=float, default=0.5, help="seconds after the long prompt that the short one goes")
+    ap.add_argument("--rounds", type=int, default=12, help="measured rounds (one more, first, is a warm-up)")
+    ap.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("engine_flags", nargs="*", help="more engine flags, after --")
+    args = ap.parse_args(argv)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env, _ = child_env({})
+    log = Path(tempfile.mkdtemp(prefix="mixed-noise-")) / "engine.log"
+    proc = EngineProcess([sys.executable, "-m", "lab.engine", "serve", "--port", str(port), "--model", args.model,
+                          "--device", args.device, *args.engine_flags], env, log)
+    proc.start()
+    try:
+        ready = proc.wait_ready(f"{url}/v1", args.model, None, timeout_s=900)
+        if not ready.ok:
+            raise SystemExit(f"engine not ready: {ready.reason}\n{proc.log_tail()}")
+        found = asyncio.run(measure(url, args.model, args))
+    finally:
+        proc.stop(grace_s=30)
+    print(f"{args.model} on {args.device}, long prompt ~{args.long_tokens} tokens, short {args.delay} s later, "
+          f"{args.rounds} rounds (median; request-to-request SD of the log)")
+    for condition, rows in found.items():
+        med, sd = spread([r["long_s"] for r in rows])
+        line = f"  {condition:<11} long {med:.4f} s (SD {sd:.2f} %)"
+        if rows and "short_s" in rows[0]:
+            smed, ssd = spread([r["short_s"] for r in rows])
+            line += f"   short behind {smed:.4f} s (SD {ssd:.2f} %)"
+        print(line, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": found},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()
