@@ -83,22 +83,30 @@ async def one_round(client: httpx.AsyncClient, model: str, condition: str, long_
     return out
 
 
-def long_text(rng: random.Random, tokens: int) -> str:
-    # About one token a word with this vocabulary; the exact count does not matter here, only
-    # that every condition draws from the same distribution of lengths.
-    return f"Session {rng.getrandbits(48):012x}. " + " ".join(rng.choice(WORDS) for _ in range(tokens - 8))
+def long_text(rng: random.Random, words: int) -> str:
+    return f"Session {rng.getrandbits(48):012x}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def words_for(client: httpx.AsyncClient, model: str, tokens: int) -> int:
+    """Words of filler that make about `tokens` tokens with this model's tokenizer (each condition
+    draws its prompts from the same lengths; the exact count does not matter here)."""
+    sample = long_text(random.Random(0), 1000)
+    response = await client.post("/tokenize", json={"model": model, "prompt": sample})
+    response.raise_for_status()
+    return int(1000 * tokens / response.json()["count"])
 
 
 async def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     rng = random.Random(args.seed)
     found: dict[str, list[dict[str, float]]] = {c: [] for c in args.conditions}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        words = await words_for(client, model, args.long_tokens)
         # One warm-up of every condition: the first long prompt of a fresh engine is slower.
         for rnd in range(args.rounds + 1):
             order = list(args.conditions)
             rng.shuffle(order)
             for condition in order:
-                text = long_text(rng, args.long_tokens)
+                text = long_text(rng, words)
                 ids = [rng.randrange(100, 30000) for _ in range(60)]
                 row = await one_round(client, model, condition, text, ids, f"{rng.getrandbits(48):012x}",
                                       args.delay)

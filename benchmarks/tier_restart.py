@@ -14,6 +14,10 @@ from the file as the play left it.
     python benchmarks/tier_restart.py --model dummy:llama3-8b --device cuda \\
         --context-tokens 100000 --turn-tokens 10000 --repeats 3         # GPU, 100K tokens
 
+The file tier must change nothing but time, so the `off` setting also sends the next turn on the
+engine that played (its history still in device memory, computed in the same chunks the file
+holds): every resume from the file must answer that greedy text.
+
 Prints one line per boot and a summary; `--json PATH` also writes the figures.
 """
 
@@ -107,10 +111,16 @@ def run_setting(setting: str, args: argparse.Namespace, base: list[str], workdir
             play_ttfts.append(ttft)
         play_s = time.perf_counter() - started
         stats = engine.stats()
-    resume = history + chunks[-1]
+        resume = history + chunks[-1]
+        warm = None
+        if setting == "off":
+            # The reference a tier must reproduce: the next turn on the engine that played, its
+            # history's KV still in device memory, computed in the same chunks as the file's.
+            ttft, _, text = stream_ttft(engine.url, args.model, resume, args.max_tokens)
+            warm = {"ttft_s": ttft, "text": text}
     result = {"setting": setting, "config_hash": stats["config_hash"], "turns": len(chunks) - 1,
               "resume_prompt_tokens": len(resume), "play_s": play_s, "play_ttft_s": play_ttfts,
-              "play_tiers": stats["prefix_cache"].get("tiers"), "resumes": []}
+              "play_tiers": stats["prefix_cache"].get("tiers"), "warm_resume": warm, "resumes": []}
     print(f"{setting}: played {len(chunks) - 1} turns in {play_s:.1f} s, history {len(history)} tokens", flush=True)
     if setting == "file":
         shutil.copyfile(path, played)
@@ -167,15 +177,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"resume TTFT after restart, median of {args.repeats}: "
           + ", ".join(f"{k} {v:.3f} s" for k, v in medians.items())
           + (f" ({medians['off'] / medians['file']:.1f}x)" if len(medians) == 2 else ""))
-    # The tier must change nothing but time: every resume, from the file or recomputed, answers the
-    # same greedy text.
-    texts = {r["text"] for result in results for r in result["resumes"]}
-    same = len(texts) == 1
-    print(f"greedy output of the resumes: {'identical' if same else f'{len(texts)} different texts'} "
-          f"across {', '.join(args.settings)} ({sum(len(r['resumes']) for r in results)} resumes)")
+    # The file tier must change nothing but time: a resume from the file answers what the engine
+    # that played answers with the history still in device memory. A resume recomputed from
+    # scratch runs other chunk boundaries, so its bf16 sums may round differently (on random
+    # weights, whose logits are nearly flat, enough to change a greedy token); it is shown apart.
+    by = {r["setting"]: r for r in results}
+    checks = {}
+    if "off" in by:
+        reference = by["off"]["warm_resume"]["text"]
+        for setting, result in by.items():
+            checks[setting] = [r["text"] == reference for r in result["resumes"]]
+        print(f"greedy text of each resume equals the warm resume's ({reference!r}): "
+              + "; ".join(f"{k} {v}" for k, v in checks.items()))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
-                                         "greedy_identical": same}, indent=1))
+                                         "equals_warm_resume": checks}, indent=1))
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, identity: dict[str
                               f"({record} bytes each)")
         full_identity = {**identity, "config_hash": config.hash, "block_size": config.block_size,
                          "kv_dtype": str(kv_cache.dtype).removeprefix("torch."), "kv_block_shape": list(block_shape)}
-        file = FileTier(file_tier_path(config), full_identity, blocks, block_shape, kv_cache.dtype)
+        file = FileTier(file_tier_path(config), full_identity, blocks, block_shape, kv_cache.dtype,
+                        pinned=kv_cache.is_cuda)
     tiers = KVTiers(kv_cache, config.kv_tier_write_policy, host, file)
     log.info("KV tiers under the prefix cache (%s): %s", config.kv_tier_write_policy,
              {k: v.get("capacity_blocks") for k, v in tiers.stats().items() if isinstance(v, dict)})
