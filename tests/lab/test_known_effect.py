@@ -45,8 +45,9 @@ def test_an_impossible_delay_is_refused(value: str) -> None:
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_delay_lands_on_the_device_where_a_host_sleep_would_hide() -> None:
-    # Batch-1 decode of an 8B shape: the device's step (about 4 ms) is longer than the host's, so
-    # with overlapped decode a host sleep shorter than the slack costs nothing; the spin cannot hide.
+    # Batch-1 decode of an 8B shape, overlapped: the device's step (about 4 ms) and the host's are
+    # close, and which one sets the pace depends on the host's CPU. A host sleep alone hides in the
+    # device's time; the knob's spin plus sleep adds the delay whichever is longer.
     delay_ms, tokens = 1.0, 64
     llm = LLM("dummy:llama3-8b", device="cuda", dtype="bfloat16", overlap_decode="on", max_model_len=512,
               cuda_graph_max_batch_size=1)

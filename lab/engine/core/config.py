@@ -77,8 +77,9 @@ class EngineConfig:
     gil_switch_interval_ms: float = _knob(5.0, "served engine: longest the HTTP event loop holds the GIL while the "
                                           "step loop waits for it (sys.setswitchinterval; Python's default is 5)")
     inject_step_delay_ms: float = _knob(0.0, "known cost for measuring the lab's power: every step that runs work "
-                                        "takes this much longer (a host sleep on the CPU, a spin kernel on the "
-                                        "device's stream on a GPU, so overlap cannot hide it; 0 = off)")
+                                        "takes this much longer (a host sleep on the CPU; on a GPU a spin kernel "
+                                        "on the device's stream, plus a host sleep in overlapped decode steps, "
+                                        "so overlap cannot hide it; 0 = off)")
 
     def __post_init__(self) -> None:
         validate(self)

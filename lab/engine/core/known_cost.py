@@ -2,10 +2,13 @@
 work, so a ladder can carry arms whose true slowdown is known and the lab's power is measured.
 
 On the CPU the step sleeps. On a GPU a sleep on the host would hide behind the device whenever
-the host has slack (overlapped decode queues the next step while the device still runs the last
-one), so the cost is a spin kernel queued on the step's stream: it lands on the device's critical
-path whatever the host does. Its length is set in clock cycles, converted at the rate measured
-when the engine starts."""
+the host has slack, so the cost is a spin kernel queued on the step's stream, its length set in
+clock cycles at the rate measured when the engine starts. A step that runs synchronously (host,
+then device) takes their sum, so the spin alone adds the delay. An overlapped decode step (the
+next step queued while the device still runs the last one) takes the longer of the two, and a
+spin alone would fill the device's idle time whenever the host sets the pace (on the H200 a 1 ms
+spin showed as 0.77 ms a step in such a call); it gets the spin and a host sleep of the same length,
+so the longer of the two grows by exactly the delay whichever it is."""
 
 from __future__ import annotations
 
@@ -47,8 +50,10 @@ class KnownCost:
             log.info("injected step delay %.3f ms = a spin of %d cycles (%.0f cycles/ms measured)",
                      delay_ms, self.cycles, rate)
 
-    def __call__(self) -> None:
+    def __call__(self, overlapped: bool) -> None:
         if self.cycles:
             torch.cuda._sleep(self.cycles)
+            if overlapped:
+                time.sleep(self.delay_s)
         elif self.delay_s:
             time.sleep(self.delay_s)

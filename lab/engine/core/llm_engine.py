@@ -152,12 +152,11 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.tick()
         plan = self.scheduler.schedule()
-        if plan.scheduled:
-            self.known_cost()
         inflight = self._inflight
         if self.overlap and overlappable(plan, self.drafter):
             trim_certain_finishers(plan, self.max_model_len)
             if plan.scheduled:
+                self.known_cost(overlapped=True)
                 self._inflight = self.runner.launch_decode(plan.scheduled, inflight)
                 self.counters.steps += 1
                 self.counters.overlapped_steps += inflight is not None
@@ -179,6 +178,7 @@ class LLMEngine:
                 seq = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {seq.request_id} cannot be scheduled with an empty engine")
             return outputs
+        self.known_cost(overlapped=False)
         return outputs + self._run_sync(plan)
 
     def _collect(self, inflight: InflightStep) -> list[RequestOutput]:
