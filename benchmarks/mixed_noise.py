@@ -16,7 +16,8 @@ the two instruments:
 
 Every long prompt is cold: fresh text, and the prefix cache is reset before it. Prints, per
 condition, the median and the request-to-request spread (SD of the log) of the long prompt's
-time to first token and of the short request's.
+time to first token and of the short request's, and the server's garbage-collector pauses per
+round (from its /v1/stats): a full collection that lands in a prefill delays it.
 
     python benchmarks/mixed_noise.py --model dummy:llama3-8b --device cuda --long-tokens 32000 --rounds 12 \\
         -- --dtype bfloat16 --max-model-len 40960 --max-num-batched-tokens 8192 --cuda-graph-max-batch-size 64
@@ -67,6 +68,7 @@ async def one_round(client: httpx.AsyncClient, model: str, condition: str, long_
     if condition == "after-chat":
         await ttft(client, "/v1/chat/completions", chat, time.perf_counter())
     (await client.post("/reset_prefix_cache")).raise_for_status()
+    before = await gc_pauses(client)
     long = {"model": model, "prompt": long_text, "max_tokens": 1, "temperature": 0}
     t0 = time.perf_counter()
     tasks = [asyncio.create_task(ttft(client, "/v1/completions", long, t0))]
@@ -77,10 +79,18 @@ async def one_round(client: httpx.AsyncClient, model: str, condition: str, long_
         tasks.append(asyncio.create_task(ttft(client, "/v1/chat/completions" if condition == "chat"
                                               else "/v1/completions", short, t0)))
     results = await asyncio.gather(*tasks)
-    out = {"long_s": results[0][1]}
+    after = await gc_pauses(client)
+    out = {"long_s": results[0][1], "gc_ms": after[0] - before[0], "gc_full": after[1] - before[1]}
     if len(results) > 1:
         out["short_s"] = results[1][1]
     return out
+
+
+async def gc_pauses(client: httpx.AsyncClient) -> tuple[float, int]:
+    """(the server's garbage-collector pauses so far in ms, its full collections so far); zeros
+    from an engine whose /v1/stats does not report them."""
+    gens = (await client.get("/v1/stats")).json().get("gc", {}).get("generations", [])
+    return sum(g["pause_ms"] for g in gens), (gens[2]["collections"] if len(gens) > 2 else 0)
 
 
 def long_text(rng: random.Random, words: int) -> str:
@@ -155,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         if rows and "short_s" in rows[0]:
             smed, ssd = spread([r["short_s"] for r in rows])
             line += f"   short behind {smed:.4f} s (SD {ssd:.2f} %)"
+        gc_ms = [r["gc_ms"] for r in rows]
+        line += (f"   server GC: {sum(r['gc_full'] for r in rows)} full passes, "
+                 f"{statistics.median(gc_ms):.1f} ms a round (max {max(gc_ms):.1f})")
         print(line, flush=True)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": found},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -12,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from lab.engine.serve.gc_pauses import GcPauses
 from tests.engine.server_process import engine_server
 
 pytestmark = pytest.mark.slow
@@ -136,6 +138,31 @@ def test_stats_and_metrics(server) -> None:
         assert name in metrics, name
     httpx.post(f"{server.url}/reset_prefix_cache").raise_for_status()
     assert server.stats()["prefix_cache"]["cached_blocks"] == 0
+
+
+def test_the_start_up_heap_is_frozen_and_collector_pauses_are_counted(client, server) -> None:
+    # A full collection walks every tracked object; the engine's start-up heap (a Block per KV
+    # block, the modules, the web framework) is frozen out of it, and each pass is counted.
+    gc_stats = server.stats()["gc"]
+    assert gc_stats["frozen_objects"] > 10_000
+    assert [sorted(g) for g in gc_stats["generations"]] == [["collections", "longest_ms", "pause_ms"]] * 3
+    client.completions.create(model=MODEL, prompt="Count to three.", max_tokens=4)
+    after = server.stats()["gc"]["generations"]
+    assert all(a["collections"] >= b["collections"] for a, b in zip(after, gc_stats["generations"]))
+    assert all(g["longest_ms"] <= g["pause_ms"] for g in after)
+
+
+def test_collector_passes_are_counted_by_generation_and_timed() -> None:
+    pauses = GcPauses()
+    pauses.install()
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        pauses.uninstall()
+    gc.collect()  # not counted: uninstalled
+    assert pauses.collections[2] == 1 and pauses.collections[0] >= 1
+    assert pauses.pause_s[2] > 0 and pauses.longest_s[2] == pauses.pause_s[2]
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from lab.engine.core.sampling_params import BadRequestError, SamplingParams
 from lab.engine.core.sequence import TokenLogprob
 from lab.engine.serve.async_engine import AsyncEngine, EngineDeadError
 from lab.engine.serve.engine_stats import engine_stats
+from lab.engine.serve.gc_pauses import GcPauses, freeze_startup_heap
 from lab.engine.serve.metrics import EngineMetrics
 from lab.engine.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        GenerationRequest)
@@ -157,6 +159,7 @@ class Server:
         self.async_engine = AsyncEngine(engine)
         self.metrics = EngineMetrics(engine, served_model_name)
         self.structured = StructuredOutput(engine.tokenizer, engine.model_config.vocab_size)
+        self.gc = GcPauses()
         self.started_at = time.time()
 
     # -- helpers -----------------------------------------------------------------------------
@@ -524,6 +527,7 @@ class Server:
     def stats(self) -> dict[str, Any]:
         stats = engine_stats(self.engine, self.served_model_name, self.started_at)
         stats["engine_alive"] = self.async_engine.alive
+        stats["gc"] = self.gc.stats()
         return stats
 
 
@@ -579,7 +583,11 @@ def build_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_engine.start(asyncio.get_running_loop())
+        log.info("froze %d objects of the start-up heap out of the garbage collector's passes", freeze_startup_heap())
+        server.gc.install()
         yield
+        server.gc.uninstall()
+        gc.unfreeze()  # an engine served in a longer-lived process (tests) hands its heap back
         server.async_engine.shutdown()
 
     app = FastAPI(title="lab engine", version="0.1.0", lifespan=lifespan)
