@@ -26,7 +26,7 @@
 #   benchmarks/tier_restart.py at 100K tokens (resume TTFT after a restart with and without the file tier, and
 #   whether every resume answers the same greedy text); mixed-noise is benchmarks/mixed_noise.py (the scatter
 #   of a cold 32K prefill alone, after a chat, and with a chat or a token-id completion sent 0.5 s into it; mixed-noise-gil with a 0.5 ms GIL switch
-#   interval); inject3 is benchmarks/ladders/h200-inject3.yaml (10 arms with
+#   interval, mixed-noise-nofreeze without freezing the start-up heap out of the garbage collector); inject3 is benchmarks/ladders/h200-inject3.yaml (10 arms with
 #   a true 3 % slowdown) after a 3-boot calibration, tallied; calibrate is 7 control boots of
 #   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses;
 #   c64ctx calibrates benchmarks/ladders/h200-c64-context.yaml (C64 at 2K context, 4 boots); known-effect
@@ -77,9 +77,11 @@ run_stage() {
            timeout 120 python3 -m lab.engine bench "${big[@]}" "${extra[@]}" --prefill-lengths "" --decode-tokens 256 \
              --concurrency 32 --repeats 3 --reference none --throughput "" --json "$OUT/spec_$mode.json" \
              > "$OUT/spec_$mode.txt" 2>&1; done ;;
-    mixed-noise|mixed-noise-gil)
-         # -gil: the same with a 0.5 ms GIL switch interval (the engine's default is 5 ms)
+    mixed-noise|mixed-noise-gil|mixed-noise-nofreeze)
+         # -gil: the same with a 0.5 ms GIL switch interval (the engine's default is 5 ms);
+         # -nofreeze: without freezing the start-up heap out of the garbage collector
          extra=(); [ "$stage" = mixed-noise-gil ] && extra=(--gil-switch-interval-ms 0.5)
+         [ "$stage" = mixed-noise-nofreeze ] && extra=(--gc-freeze false)
          timeout 240 python3 benchmarks/mixed_noise.py --model dummy:llama3-8b --device cuda --long-tokens 32000 \
             --rounds 12 --json "$OUT/$stage.json" -- --dtype bfloat16 --max-model-len 40960 \
             --max-num-batched-tokens 8192 --max-num-seqs 256 --cuda-graph-max-batch-size 64 "${extra[@]}" \

@@ -152,6 +152,12 @@ def test_the_start_up_heap_is_frozen_and_collector_pauses_are_counted(client, se
     assert all(g["longest_ms"] <= g["pause_ms"] for g in after)
 
 
+def test_gc_freeze_false_leaves_the_heap_to_the_collector(tmp_path) -> None:
+    with engine_server(tmp_path, "--max-model-len", "512", "--gc-freeze", "false") as s:
+        stats = s.stats()
+    assert stats["config"]["gc_freeze"] is False and stats["gc"]["frozen_objects"] == 0
+
+
 def test_collector_passes_are_counted_by_generation_and_timed() -> None:
     pauses = GcPauses()
     pauses.install()

@@ -76,6 +76,8 @@ class EngineConfig:
                               "linear = always F.linear", ("measured", "linear"))
     gil_switch_interval_ms: float = _knob(5.0, "served engine: longest the HTTP event loop holds the GIL while the "
                                           "step loop waits for it (sys.setswitchinterval; Python's default is 5)")
+    gc_freeze: bool = _knob(True, "served engine: freeze the start-up heap out of Python's garbage collector, so a "
+                            "full pass does not walk it while a step waits")
     inject_step_delay_ms: float = _knob(0.0, "known cost for measuring the lab's power: every step that runs work "
                                         "takes this much longer (a host sleep on the CPU; on a GPU a spin kernel "
                                         "on the device's stream, plus a host sleep in overlapped decode steps, "

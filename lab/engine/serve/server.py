@@ -583,11 +583,14 @@ def build_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_engine.start(asyncio.get_running_loop())
-        log.info("froze %d objects of the start-up heap out of the garbage collector's passes", freeze_startup_heap())
+        if server.engine.config.gc_freeze:
+            log.info("froze %d objects of the start-up heap out of the garbage collector's passes",
+                     freeze_startup_heap())
         server.gc.install()
         yield
         server.gc.uninstall()
-        gc.unfreeze()  # an engine served in a longer-lived process (tests) hands its heap back
+        if server.engine.config.gc_freeze:
+            gc.unfreeze()  # an engine served in a longer-lived process (tests) hands its heap back
         server.async_engine.shutdown()
 
     app = FastAPI(title="lab engine", version="0.1.0", lifespan=lifespan)
