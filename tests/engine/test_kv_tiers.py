@@ -171,6 +171,7 @@ def test_file_round_trip_and_lru_reuse_of_records(tmp_path: Path) -> None:
     t = tier(path, capacity=3)
     for h, tokens, data in blocks(4):
         t.put(h, tokens, data)
+    t.flush()  # the writer thread's records are in the file
     assert path.stat().st_size == HEADER_BYTES + 3 * t.record  # the 4th reused the oldest record
     reopened = tier(path, capacity=3)
     # A block read back is a view of the tier's read buffer until the next read: copy it out.
@@ -182,6 +183,20 @@ def test_file_round_trip_and_lru_reuse_of_records(tmp_path: Path) -> None:
     assert reopened.get(rest[0][0], (9, 9, 9, 9)) is None  # same hash, other tokens: never shared
 
 
+def test_writes_leave_the_step_loop_but_a_read_never_sees_a_half_written_block(tmp_path: Path) -> None:
+    t = tier(tmp_path / "t.kvtier", capacity=16)
+    made = blocks(12)  # more than the writer's buffers: puts wait for a free one, none is dropped
+    for h, tokens, data in made:
+        t.put(h, tokens, data)
+        data.fill_(-1.0)  # the caller reuses its block at once (a device block evicted, say)
+    for i, (h, tokens, _) in enumerate(made):  # read back while writes may still be queued
+        got = t.get(h, tokens)
+        assert got is not None and torch.equal(got, torch.full(SHAPE, float(i)))
+    t.close()
+    assert t.blocks_written == t.blocks_queued == 12
+    assert len(tier(tmp_path / "t.kvtier", capacity=16)) == 12
+
+
 @pytest.mark.parametrize("damage, why", [
     ("truncate", "truncated"), ("identity", "written for another engine"), ("version", "format version"),
     ("header", "header checksum mismatch")])
@@ -191,6 +206,7 @@ def test_damaged_or_foreign_tier_files_are_ignored_with_one_warning(tmp_path: Pa
     t = tier(path)
     for h, tokens, data in blocks(3):
         t.put(h, tokens, data)
+    t.close()
     raw = bytearray(path.read_bytes())
     if damage == "truncate":
         raw = raw[:-7]
@@ -227,6 +243,7 @@ def test_a_file_size_limit_reached_mid_write_turns_the_tier_off(tmp_path: Path, 
     try:
         for h, tokens, data in blocks(4):
             t.put(h, tokens, data)
+        t.flush()  # the writes ran on the writer thread; their failure turns the tier off here
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert not t.enabled and t.blocks_written == 2 and len(t) == 0

@@ -80,6 +80,15 @@ class KVTiers:
         elif self.file is not None:
             self.file.put(h, tokens, self._block(block_id))
 
+    def flush(self) -> None:
+        """Every block handed to the file tier is in the file (or the tier is off)."""
+        if self.file is not None:
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
     def clear(self) -> None:
         for tier in (self.host, self.file):
             if tier is not None:
@@ -94,7 +103,7 @@ class KVTiers:
             f = self.file
             out[FILE] = {"path": str(f.path), "enabled": f.enabled, "disabled_because": f.disabled,
                          "blocks": len(f), "capacity_blocks": f.capacity, "blocks_found_at_start": f.blocks_found,
-                         "blocks_written": f.blocks_written}
+                         "blocks_written": f.blocks_written, "blocks_queued": f.blocks_queued}
         return out
 
 

@@ -262,6 +262,16 @@ class LLMEngine:
         self.counters.requests_finished += 1
         return out
 
+    def flush_tiers(self) -> None:
+        """Every KV block handed to the file tier is in the file: a restarted engine finds it."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
+    def close(self) -> None:
+        """Flush the KV tiers and stop the file tier's writer thread."""
+        if self.tiers is not None:
+            self.tiers.close()
+
     # -- introspection -----------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> int:

@@ -36,9 +36,9 @@ WEIGHTS, TRITON, CPU_PRODUCTS, KV_FILE_TIER = "weights", "triton", "cpu-linear",
 
 
 class FileCache(Protocol):
-    """A cache that fills while serving and counts what this process wrote (`FileTier`)."""
+    """A cache that fills while serving and counts what this process queued to write (`FileTier`)."""
     path: Path
-    blocks_written: int
+    blocks_queued: int
 
 
 def triton_cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
@@ -112,7 +112,7 @@ class BuiltCaches:
             added = directory.entries_added()
             if added:
                 found.append({"cache": directory.cache, "path": str(directory.path), "entries_added": added})
-        if self.file_tier is not None and self.file_tier.blocks_written:
+        if self.file_tier is not None and self.file_tier.blocks_queued:
             found.append({"cache": KV_FILE_TIER, "path": str(self.file_tier.path),
-                          "entries_added": self.file_tier.blocks_written})
+                          "entries_added": self.file_tier.blocks_queued})
         return found

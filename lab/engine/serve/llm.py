@@ -57,6 +57,7 @@ class LLM:
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 self._accumulate(results[out.request_id], out)
+        self.engine.flush_tiers()  # an engine built after this call finds every block in the file
         return [results[r] for r in order]
 
     @staticmethod

@@ -592,6 +592,7 @@ def build_app(server: Server) -> FastAPI:
         if server.engine.config.gc_freeze:
             gc.unfreeze()  # an engine served in a longer-lived process (tests) hands its heap back
         server.async_engine.shutdown()
+        server.engine.close()  # the file tier's queued blocks land before the process exits
 
     app = FastAPI(title="lab engine", version="0.1.0", lifespan=lifespan)
 
