@@ -1,17 +1,17 @@
 """The file tier under the prefix cache: KV blocks in one file on disk that a restarted engine
 with the same model and config reads back.
 
-Layout: a header of HEADER_BYTES (magic, format version, the identity as JSON with its CRC32),
-then fixed-size records, one per block: block hash (u64), XXH3-64 of hash + tokens + data (u64),
-the block's tokens (int32 each) and its K/V bytes. A block read goes through one reusable host
-buffer, a block written through one of WRITE_BUFFERS, all pinned when the KV cache is on a GPU, so
-a block moves between the file and the device without an extra host copy; the checksum is XXH3
-because verifying a resumed 100K-token history (12 GiB of Llama-3-8B KV) with CRC32 alone costs
-seconds. Writes run on a writer thread, off the step loop: `put` stages the block and returns,
-`get` of a block still queued waits for its write, and `flush`/`close` return once every queued
-block is in the file (or a failed write has turned the tier off). The identity names the model and its source hash,
-the engine's config hash, the block size, the KV dtype and the block's shape, so a file written
-by another model, config or format is never read.
+Layout: a header of HEADER_BYTES (magic, format version, the identity as JSON with its CRC32), then
+fixed-size records, one per block: block hash (u64), XXH3-64 of hash + tokens + data (u64), the
+block's tokens (int32 each) and its K/V bytes. A block read goes through one reusable host buffer,
+a block written through one of WRITE_BUFFERS, all pinned when the KV cache is on a GPU, so a block
+moves between the file and the device without an extra host copy; the checksum is XXH3 because
+verifying a resumed 100K-token history (12 GiB of Llama-3-8B KV) with CRC32 alone costs seconds.
+Writes run on a writer thread, off the step loop: `put` stages the block and returns, `get` of a
+block still queued waits for its write, and `flush`/`close` return once every queued block is in
+the file (or a failed write has turned the tier off). The identity names the model and its source
+hash, the engine's config hash, the block size, the KV dtype and the block's shape, so a file
+written by another model, config or format is never read.
 
 Nothing here may put wrong K/V into the cache or stop the engine:
 - a file that is not a tier file (no magic) is left untouched and the engine runs without the

@@ -6,9 +6,9 @@ the host has slack, so the cost is a spin kernel queued on the step's stream, it
 clock cycles at the rate measured when the engine starts. A step that runs synchronously (host,
 then device) takes their sum, so the spin alone adds the delay. An overlapped decode step (the
 next step queued while the device still runs the last one) takes the longer of the two, and a
-spin alone would fill the device's idle time whenever the host sets the pace (on the H200 a 1 ms
-spin showed as 0.77 ms a step in such a call); it gets the spin and a host sleep of the same length,
-so the longer of the two grows by exactly the delay whichever it is."""
+spin alone would fill the device's idle time whenever the host sets the pace; it gets the spin and
+a host sleep of the same length, so the longer of the two grows by exactly the delay whichever it
+is."""
 
 from __future__ import annotations
 
