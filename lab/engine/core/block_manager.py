@@ -75,28 +75,29 @@ class BlockManager:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
         found: list[int] = []
+        kept: set[int] = set()  # `found` as a set: a 1M-token resume looks up 65K blocks
         parent: int | None = None
         for i in range(usable):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].tokens != tokens:
-                block_id = self._copy_back(h, tokens, found) if self.tiers is not None else None
+                block_id = self._copy_back(h, tokens, kept) if self.tiers is not None else None
                 if block_id is None:
                     break
             found.append(block_id)
+            kept.add(block_id)
             parent = h
         return found
 
-    def _copy_back(self, h: int, tokens: tuple[int, ...], keep: list[int]) -> int | None:
+    def _copy_back(self, h: int, tokens: tuple[int, ...], keep: set[int]) -> int | None:
         """Copy a block a lower tier holds into a free device block and cache it there, unused
         (it joins the free list's recent end, as a freed cached block does). The blocks in `keep`
         (this lookup's hits so far) are never the ones reused."""
         assert self.tiers is not None
         if self.tiers.find(h, tokens) is None:
             return None
-        keep_set = set(keep)
-        block_id = next((b for b in self.free if b not in keep_set), None)
+        block_id = next((b for b in self.free if b not in keep), None)
         if block_id is None:
             return None
         del self.free[block_id]
