@@ -1,0 +1,47 @@
+"""The scripts the GPU calls run (`benchmarks/h200.sh` stages `mixed-noise` and `tier-restart`),
+end to end on the CPU with a random-weight model, small: a script that breaks costs a GPU call."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(name: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_mixed_noise_sizes_its_prompts_to_the_model_and_times_every_condition(tmp_path: Path) -> None:
+    # The dummy tokenizer makes more tokens per word than the filler's words: unsized prompts
+    # would pass the context and be refused.
+    out = tmp_path / "mixed.json"
+    text = run_script("mixed_noise.py", "--model", "dummy:smollm2-135m", "--long-tokens", "400", "--rounds", "2",
+                      "--delay", "0.05", "--json", str(out), "--", "--max-model-len", "512",
+                      "--max-num-batched-tokens", "128")
+    rounds = json.loads(out.read_text())["rounds"]
+    assert sorted(rounds) == ["after-chat", "alone", "chat", "ids"]
+    for condition, rows in rounds.items():
+        assert len(rows) == 2 and all(r["long_s"] > 0 and r["gc_ms"] >= 0 for r in rows)
+        assert all(r.get("short_s", 0) > 0 for r in rows) == (condition in ("chat", "ids"))
+    assert "server GC" in text
+
+
+def test_tier_restart_resumes_from_the_file_with_the_warm_engines_answer(tmp_path: Path) -> None:
+    out = tmp_path / "tier.json"
+    run_script("tier_restart.py", "--model", "dummy:smollm2-135m", "--context-tokens", "256", "--turn-tokens", "128",
+               "--repeats", "1", "--workdir", str(tmp_path / "work"), "--json", str(out))
+    found = json.loads(out.read_text())
+    file_run = next(r for r in found["results"] if r["setting"] == "file")
+    assert file_run["resumes"][0]["cached_tokens"] >= 240  # the history's full blocks, from the file
+    assert found["equals_warm_resume"]["file"] == [True]
