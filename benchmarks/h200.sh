@@ -41,6 +41,16 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# Every stage boots the engine or the lab: a wheel missing from .whl fails them all, so say which
+# one before spending the call.
+missing=$(python3 -c '
+import importlib.util
+mods = ("fastapi", "uvicorn", "pydantic", "sqlalchemy", "optuna", "gguf", "llguidance", "annotated_doc", "xxhash")
+print(" ".join(m for m in mods if importlib.util.find_spec(m) is None))')
+if [ -n "$missing" ]; then
+  echo "h200.sh: not importable here: $missing (add their wheels to .whl)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 commit=${1:-unknown}
