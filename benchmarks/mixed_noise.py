@@ -33,11 +33,12 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
+from lab.instruments.client import StreamingClient
+from lab.instruments.receipt import Receipt
 from lab.runner.boot import EngineProcess, child_env, free_port
 
 CONDITIONS = ("alone", "after-chat", "chat", "ids")
@@ -45,44 +46,31 @@ WORDS = ("harbour lantern meadow courier garden valley teacher kettle library fr
          "station wagon fence engineer baker chapel pantry village").split()
 
 
-async def ttft(client: httpx.AsyncClient, path: str, body: dict, t0: float) -> tuple[float, float]:
-    """(seconds from t0 to the request's send, seconds from its send to its first streamed token)."""
-    sent = time.perf_counter()
-    async with client.stream("POST", path, json={**body, "stream": True}) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                # A chat stream opens with the role alone; the first token is the first text.
-                if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                    return sent - t0, time.perf_counter() - sent
-    raise RuntimeError(f"{path}: no token arrived")
+def seconds_to_first_token(receipt: Receipt) -> float:
+    if receipt.error is not None or receipt.ttft_ns is None:
+        raise RuntimeError(f"{receipt.endpoint}: {receipt.error or 'no token arrived'}")
+    return receipt.ttft_ns / 1e9
 
 
-async def one_round(client: httpx.AsyncClient, model: str, condition: str, long_text: str, short_ids: list[int],
-                    salt: str, delay: float) -> dict[str, float]:
+async def one_round(client: StreamingClient, control: httpx.AsyncClient, model: str, condition: str,
+                    long_text: str, short_ids: list[int], salt: str, delay: float) -> dict[str, float]:
     chat = {"model": model, "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "system", "content": f"Session {salt}. You are a helpful AI assistant."},
                          {"role": "user", "content": "In two or three sentences, why do leaves change colour?"}]}
     if condition == "after-chat":
-        await ttft(client, "/v1/chat/completions", chat, time.perf_counter())
-    (await client.post("/reset_prefix_cache")).raise_for_status()
-    before = await gc_pauses(client)
-    long = {"model": model, "prompt": long_text, "max_tokens": 1, "temperature": 0}
-    t0 = time.perf_counter()
-    tasks = [asyncio.create_task(ttft(client, "/v1/completions", long, t0))]
+        seconds_to_first_token(await client.request(chat))
+    (await control.post("/reset_prefix_cache")).raise_for_status()
+    before = await gc_pauses(control)
+    payloads: list[dict] = [{"model": model, "prompt": long_text, "max_tokens": 1, "temperature": 0}]
     if condition in ("chat", "ids"):
-        await asyncio.sleep(delay)
-        short = chat if condition == "chat" else {"model": model, "prompt": short_ids, "max_tokens": 16,
-                                                   "temperature": 0}
-        tasks.append(asyncio.create_task(ttft(client, "/v1/chat/completions" if condition == "chat"
-                                              else "/v1/completions", short, t0)))
-    results = await asyncio.gather(*tasks)
-    after = await gc_pauses(client)
-    out = {"long_s": results[0][1], "gc_ms": after[0] - before[0], "gc_full": after[1] - before[1]}
-    if len(results) > 1:
-        out["short_s"] = results[1][1]
+        payloads.append(chat if condition == "chat" else
+                        {"model": model, "prompt": short_ids, "max_tokens": 16, "temperature": 0})
+    receipts = await client.run_all(payloads, 2, offsets_s=[0.0, delay][:len(payloads)])
+    after = await gc_pauses(control)
+    out = {"long_s": seconds_to_first_token(receipts[0]), "gc_ms": after[0] - before[0],
+           "gc_full": after[1] - before[1]}
+    if len(receipts) > 1:
+        out["short_s"] = seconds_to_first_token(receipts[1])
     return out
 
 
@@ -109,8 +97,11 @@ async def words_for(client: httpx.AsyncClient, model: str, tokens: int) -> int:
 async def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     rng = random.Random(args.seed)
     found: dict[str, list[dict[str, float]]] = {c: [] for c in args.conditions}
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        words = await words_for(client, model, args.long_tokens)
+    # The timed requests go through the lab's own streaming client (the mixed instrument's), the
+    # engine's extra routes through a plain one.
+    async with StreamingClient(url, max_connections=2) as client, \
+            httpx.AsyncClient(base_url=url, timeout=600) as control:
+        words = await words_for(control, model, args.long_tokens)
         # One warm-up of every condition: the first long prompt of a fresh engine is slower.
         for rnd in range(args.rounds + 1):
             order = list(args.conditions)
@@ -118,8 +109,8 @@ async def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, l
             for condition in order:
                 text = long_text(rng, words)
                 ids = [rng.randrange(100, 30000) for _ in range(60)]
-                row = await one_round(client, model, condition, text, ids, f"{rng.getrandbits(48):012x}",
-                                      args.delay)
+                row = await one_round(client, control, model, condition, text, ids,
+                                      f"{rng.getrandbits(48):012x}", args.delay)
                 if rnd:
                     found[condition].append(row)
     return found
