@@ -60,25 +60,28 @@ async def one_round(client: StreamingClient, control: httpx.AsyncClient, model: 
     if condition == "after-chat":
         seconds_to_first_token(await client.request(chat))
     (await control.post("/reset_prefix_cache")).raise_for_status()
-    before = await gc_pauses(control)
+    before = await server_counters(control)
     payloads: list[dict] = [{"model": model, "prompt": long_text, "max_tokens": 1, "temperature": 0}]
     if condition in ("chat", "ids"):
         payloads.append(chat if condition == "chat" else
                         {"model": model, "prompt": short_ids, "max_tokens": 16, "temperature": 0})
     receipts = await client.run_all(payloads, 2, offsets_s=[0.0, delay][:len(payloads)])
-    after = await gc_pauses(control)
+    after = await server_counters(control)
     out = {"long_s": seconds_to_first_token(receipts[0]), "gc_ms": after[0] - before[0],
-           "gc_full": after[1] - before[1]}
+           "gc_full": after[1] - before[1], "device_allocs": after[2] - before[2]}
     if len(receipts) > 1:
         out["short_s"] = seconds_to_first_token(receipts[1])
     return out
 
 
-async def gc_pauses(client: httpx.AsyncClient) -> tuple[float, int]:
-    """(the server's garbage-collector pauses so far in ms, its full collections so far); zeros
-    from an engine whose /v1/stats does not report them."""
-    gens = (await client.get("/v1/stats")).json().get("gc", {}).get("generations", [])
-    return sum(g["pause_ms"] for g in gens), (gens[2]["collections"] if len(gens) > 2 else 0)
+async def server_counters(client: httpx.AsyncClient) -> tuple[float, int, int]:
+    """(the server's garbage-collector pauses so far in ms, its full collections so far, the CUDA
+    caching allocator's trips to the driver so far); zeros from an engine whose /v1/stats does not
+    report them."""
+    stats = (await client.get("/v1/stats")).json()
+    gens = stats.get("gc", {}).get("generations", [])
+    allocs = stats.get("allocator", {}).get("device_allocs", 0)
+    return sum(g["pause_ms"] for g in gens), (gens[2]["collections"] if len(gens) > 2 else 0), allocs
 
 
 def long_text(rng: random.Random, words: int) -> str:
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
             line += f"   short behind {smed:.4f} s (SD {ssd:.2f} %)"
         gc_ms = [r["gc_ms"] for r in rows]
         line += (f"   server GC: {sum(r['gc_full'] for r in rows)} full passes, "
-                 f"{statistics.median(gc_ms):.1f} ms a round (max {max(gc_ms):.1f})")
+                 f"{statistics.median(gc_ms):.1f} ms a round (max {max(gc_ms):.1f}); "
+                 f"{sum(r['device_allocs'] for r in rows)} cudaMalloc")
         print(line, flush=True)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": found},

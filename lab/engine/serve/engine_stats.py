@@ -24,9 +24,16 @@ def memory_report(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         reserved_peak = int(torch.cuda.max_memory_reserved(device))
+        allocator = torch.cuda.memory_stats(device)
         return {"peak_memory_bytes": peak_memory_bytes(device), "free_memory_bytes": int(free),
                 "total_memory_bytes": int(total), "free_at_peak_bytes": int(total) - reserved_peak,
-                "memory_kind": "cuda"}
+                "memory_kind": "cuda",
+                # The caching allocator going back to the driver (cudaMalloc/cudaFree, each a device
+                # sync) after start-up is a stall inside whatever request caused it; a retry means it
+                # freed its whole cache first. Read before and after a measurement to see if it did.
+                "allocator": {"device_allocs": int(allocator.get("num_device_alloc", 0)),
+                              "device_frees": int(allocator.get("num_device_free", 0)),
+                              "alloc_retries": int(allocator.get("num_alloc_retries", 0))}}
     vm = psutil.virtual_memory()
     return {"peak_memory_bytes": peak_memory_bytes(device), "free_memory_bytes": int(vm.available),
             "total_memory_bytes": int(vm.total), "rss_bytes": int(psutil.Process().memory_info().rss),
