@@ -177,13 +177,19 @@ run_stage() {
              COLUMNS=200 python3 -m lab compare --db "$OUT/lab-h200.db" C0ctl "$arm"; done
            tar czf "$OUT/lab-report.tgz" "reports/$run" runs; } > "$OUT/lab.txt" 2>&1 ;;
     long|1m) # ladders/h200-long.yaml or h200-1m.yaml, a boot or so per call: the store is carried in
-         # .cache/long/ (run with carry [".cache/long"]) and each call resumes the run it holds
-         db=.cache/long/h200-long.db; run=h200-$stage-$commit; mkdir -p .cache/long
+         # .cache/long/ (run with carry [".cache/long"]) and each call resumes the run it holds.
+         # Triton compiles into .cache/long/triton, which comes back as triton.tgz: unpacked into the
+         # carried folder, it lets the next call's boots (and a later session's, on a fresh machine)
+         # load the kernels instead of compiling them, so they are warm without a warm-up boot.
+         # LONG_LIMIT stops lab run sooner (a call that only warms the caches); a killed boot is retried.
+         # LONG_RUN names the run to resume when it was started at another commit (another session).
+         db=.cache/long/h200-long.db; run=h200-$stage-${LONG_RUN:-$commit}; mkdir -p .cache/long/triton
+         export TRITON_CACHE_DIR=$PWD/.cache/long/triton
          if python3 -m lab ls --db "$db" "$run" > /dev/null 2>&1; then what=(--resume "$run")
          else what=("ladders/h200-$stage.yaml" --name "$run"); fi
-         { timeout 560 python3 -m lab run "${what[@]}" --db "$db"; echo "lab run exit $?"
+         { timeout "${LONG_LIMIT:-560}" python3 -m lab run "${what[@]}" --db "$db"; echo "lab run exit $?"
            python3 -m lab ls --db "$db" "$run"; } > "$OUT/$stage.txt" 2>&1
-         cp "$db" "$OUT/h200-long.db" ;;
+         cp "$db" "$OUT/h200-long.db"; tar czf "$OUT/triton.tgz" -C .cache/long triton ;;
     served) for sw in 5 0.5 0.2; do
               ( for _ in $(seq 120); do p=$(pgrep -f "lab.engine serve" | head -1); [ -n "$p" ] && break; sleep 0.5; done
                 [ -n "$p" ] && [ -x /tmp/site/bin/py-spy ] && /tmp/site/bin/py-spy record --pid "$p" --rate 200 --threads \
