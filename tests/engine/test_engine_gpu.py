@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.engine_stats import memory_report
 from lab.engine.serve.llm import LLM
 from lab.engine.tools.hf_reference import build_hf_model
 from lab.engine.weights.loader import load_model
@@ -136,3 +137,17 @@ def test_overlapped_decode_matches_synchronous() -> None:
     assert overlapped.engine.overlap and overlapped.engine.runner.graphs is not None
     assert [c.token_ids for c in overlapped.generate(ps, params)] == want
     assert overlapped.engine.counters.overlapped_steps >= 20
+
+
+def test_a_repeated_workload_sends_the_allocator_to_the_driver_no_more() -> None:
+    """What `/v1/stats` `allocator` reports: once a workload has run, running it again is served from
+    the caching allocator's pool, so no request of a warm engine pays for a cudaMalloc."""
+    llm = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda")
+    work, params = prompts(8, seed=3), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    llm.generate(work, params)
+    before = memory_report(torch.device("cuda"))["allocator"]
+    assert before["device_allocs"] > 0
+    llm.generate(work, params)
+    after = memory_report(torch.device("cuda"))["allocator"]
+    assert after["device_allocs"] == before["device_allocs"]
+    assert after["alloc_retries"] == 0
