@@ -184,13 +184,17 @@ run_stage() {
          # load the kernels instead of compiling them, so they are warm without a warm-up boot.
          # LONG_LIMIT stops lab run sooner (a call that only warms the caches); a killed boot is retried.
          # LONG_RUN names the run to resume when it was started at another commit (another session).
+         # The 1M ladder runs its control alone (lab sweep --control-only): its arm's window would not fit
+         # a 30-minute session. --time-budget keeps a call from starting a boot it cannot finish.
          db=.cache/long/h200-long.db; run=h200-$stage-${LONG_RUN:-$commit}; mkdir -p .cache/long/triton
-         export TRITON_CACHE_DIR=$PWD/.cache/long/triton
-         if python3 -m lab ls --db "$db" "$run" > /dev/null 2>&1; then what=(--resume "$run")
-         else what=("ladders/h200-$stage.yaml" --name "$run"); fi
-         { timeout "${LONG_LIMIT:-560}" python3 -m lab run "${what[@]}" --db "$db"; echo "lab run exit $?"
+         export TRITON_CACHE_DIR=$PWD/.cache/long/triton; limit=${LONG_LIMIT:-560}
+         if python3 -m lab ls --db "$db" "$run" > /dev/null 2>&1; then what=(run --resume "$run")
+         elif [ "$stage" = 1m ]; then what=(sweep ladders/h200-1m.yaml --control-only --label "$commit" --name "$run")
+         else what=(run "ladders/h200-$stage.yaml" --name "$run"); fi
+         { timeout "$limit" python3 -m lab "${what[@]}" --time-budget $((limit - 10)) --db "$db"; echo "lab exit $?"
            python3 -m lab ls --db "$db" "$run"; } > "$OUT/$stage.txt" 2>&1
-         cp "$db" "$OUT/h200-long.db"; tar czf "$OUT/triton.tgz" -C .cache/long triton ;;
+         cp "$db" "$OUT/h200-long.db"; tar czf "$OUT/triton.tgz" -C .cache/long triton
+         [ -d "runs/$run" ] && tar czf "$OUT/$stage-logs.tgz" "runs/$run" ;;
     served) for sw in 5 0.5 0.2; do
               ( for _ in $(seq 120); do p=$(pgrep -f "lab.engine serve" | head -1); [ -n "$p" ] && break; sleep 0.5; done
                 [ -n "$p" ] && [ -x /tmp/site/bin/py-spy ] && /tmp/site/bin/py-spy record --pid "$p" --rate 200 --threads \

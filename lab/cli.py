@@ -27,7 +27,28 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="name of the new run (default: <ladder name>-<date>-<time>)")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
     parser.add_argument("--dry-run", action="store_true", help="validate the ladder and print its boots; run nothing")
+    _time_budget_arg(parser)
     _db_arg(parser)
+
+
+def _time_budget_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--time-budget", type=_seconds, metavar="SECONDS",
+                        help="start no boot that the time left cannot hold, judged by the longest boot of its kind "
+                             "this run has finished; what is left stays for `lab run --resume` (exit status 75)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds: {text!r}")
+    return value
+
+
+# sysexits' EX_TEMPFAIL: the run stopped on its time budget, and resuming it later continues it.
+EXIT_OUT_OF_TIME = 75
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -51,11 +72,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         run = resume(store, args.resume) if args.resume else create(store, args.ladder, args.name, args.runs_dir)
         console.print(f"run [bold]{run.name}[/] (id {run.id}) → {args.db}; boot logs in {run.logs_dir}")
-        outcome = execute(store, run, console)
-        missing = key_figure_missing(store, outcome.run_id) if outcome.boots else None
+        outcome = execute(store, run, console, args.time_budget)
+        missing = key_figure_missing(store, outcome.run_id) if outcome.boots and not outcome.out_of_time else None
     finally:
         store.close()
-    counts = ", ".join(f"{n} {status}" for status, n in sorted(outcome.boots.items())) or "nothing left to boot"
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(outcome.boots.items())) or "nothing booted"
+    if outcome.out_of_time:
+        console.print(f"run [bold]{outcome.name}[/] stopped: {counts}. `lab ls {outcome.name}` shows its boots.")
+        _error(f"{outcome.out_of_time}; `lab run --resume {outcome.name}` continues it")
+        return EXIT_OUT_OF_TIME
     console.print(f"run [bold]{outcome.name}[/] finished: {counts}. `lab ls {outcome.name}` shows its boots.")
     if outcome.boots and not outcome.measured_done:
         _error(f"no measured boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
@@ -240,6 +265,7 @@ def _sweep_args(parser: argparse.ArgumentParser) -> None:
                         help="boot only each window's control (opened and closed), not its arms")
     parser.add_argument("--name", help="name of the run (default: <ladder>-<label>-<date>-<time>)")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
+    _time_budget_arg(parser)
     _db_arg(parser)
 
 
@@ -253,9 +279,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         run, series = sweep.create(store, args.ladder, args.label, args.control_only, args.name, args.runs_dir)
         console.print(f"run [bold]{run.name}[/] (id {run.id}) → series {series}, label {args.label}", highlight=False)
-        outcome = execute(store, run, console)
+        outcome = execute(store, run, console, args.time_budget)
     finally:
         store.close()
+    if outcome.out_of_time:
+        _error(f"{outcome.out_of_time}; `lab run --resume {outcome.name}` continues it")
+        return EXIT_OUT_OF_TIME
     if outcome.boots and not outcome.measured_done:
         _error(f"no measured boot of run {outcome.name} succeeded; the log tails are in `lab ls {outcome.name}`")
         return 1

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -46,6 +47,8 @@ class Outcome:
     boots: dict[str, int] = field(default_factory=dict)  # final status -> count, this invocation
     measured_done: int = 0  # boots of this invocation that finished and were measured (not warm-ups)
     failures: list[str] = field(default_factory=list)
+    # Why the run stopped with boots left to do, when its time budget could not hold the next one.
+    out_of_time: str | None = None
 
 
 def create(store: Store, ladder_path: str | Path, name: str | None = None, runs_dir: str | Path = "runs") -> m.Run:
@@ -74,11 +77,18 @@ def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str |
     return reader.find_run(store, str(run_id))
 
 
-def execute(store: Store, run: m.Run, console: Console) -> Outcome:
+# A boot may run this much longer than the longest of its kind so far (an arm can be the slow one).
+BUDGET_MARGIN = 1.15
+
+
+def execute(store: Store, run: m.Run, console: Console, time_budget_s: float | None = None) -> Outcome:
     """Boot every pending slot of the run in order; marks the run done, interrupted on Ctrl-C/SIGTERM,
-    or failed with the reason when an exception ends it."""
+    or failed with the reason when an exception ends it. With `time_budget_s`, a boot starts only
+    when the time left can hold it, judged by the longest boot of its kind (warm-up or measured)
+    this run has finished (BUDGET_MARGIN more); otherwise the run stops there, interrupted and
+    resumable, with `Outcome.out_of_time` saying why. A boot of a kind never finished starts."""
     try:
-        return _execute(store, run, console)
+        return _execute(store, run, console, time_budget_s)
     except RunError:
         raise  # refused before it started (another process owns it, another plan): nothing to mark
     except Exception as exc:
@@ -90,7 +100,8 @@ def execute(store: Store, run: m.Run, console: Console) -> Outcome:
                        "left") from exc
 
 
-def _execute(store: Store, run: m.Run, console: Console) -> Outcome:
+def _execute(store: Store, run: m.Run, console: Console, time_budget_s: float | None) -> Outcome:
+    began = time.monotonic()
     ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
     plan = render.plan(ladder)
     slots = reader.slots(store, run.id)
@@ -110,6 +121,10 @@ def _execute(store: Store, run: m.Run, console: Console) -> Outcome:
         rc.status = lambda text: progress.update(task, description=text)
         try:
             for slot in pending:
+                if time_budget_s is not None:
+                    outcome.out_of_time = _out_of_time(store, run, slot, time_budget_s - (time.monotonic() - began))
+                    if outcome.out_of_time:
+                        break
                 status = run_slot(rc, slot)
                 outcome.boots[status] = outcome.boots.get(status, 0) + 1
                 outcome.measured_done += status == "done" and slot.role != "warmup"
@@ -132,9 +147,23 @@ def _execute(store: Store, run: m.Run, console: Console) -> Outcome:
         except BaseException:
             writer.set_run_status(store, run.id, "interrupted")
             raise
+        if outcome.out_of_time:
+            progress.update(task, description="stopped: out of time")
+            writer.set_run_status(store, run.id, "interrupted", outcome.out_of_time)
+            return outcome
         progress.update(task, description="finished")
     writer.set_run_status(store, run.id, "done")
     return outcome
+
+
+def _out_of_time(store: Store, run: m.Run, slot: m.Slot, left_s: float) -> str | None:
+    """Why `slot` must not start with `left_s` seconds of the budget left, or None when it may."""
+    longest = reader.longest_boot_s(store, run.id, warmup=slot.role == "warmup")
+    if longest is None or longest * BUDGET_MARGIN <= left_s:
+        return None
+    kind = "warm-up" if slot.role == "warmup" else "measured"
+    return (f"{max(left_s, 0):.0f} s of the time budget left, and this run's longest {kind} boot took "
+            f"{longest:.0f} s: stopped before slot {slot.idx} ({slot.arm.name})")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -109,6 +109,18 @@ def any_ready_boot(store: Store, run_id: int) -> bool:
                         .where(m.Boot.run_id == run_id, m.Boot.ready_at.is_not(None))) > 0
 
 
+def longest_boot_s(store: Store, run_id: int, warmup: bool) -> float | None:
+    """Seconds from start to stop of this run's longest finished boot, warm-ups or measured ones
+    (`warmup`); None when none has finished."""
+    with store.session() as s:
+        role = m.Slot.role == "warmup" if warmup else m.Slot.role != "warmup"
+        rows = s.execute(select(m.Boot.started_at, m.Boot.stopped_at).join(m.Slot, m.Boot.slot_id == m.Slot.id)
+                         .where(m.Boot.run_id == run_id, m.Boot.status == "done", m.Boot.stopped_at.is_not(None),
+                                role)).tuples()
+        spans = [(stopped - started).total_seconds() for started, stopped in rows]
+    return max(spans) if spans else None
+
+
 def warm_control_boots(store: Store, run_id: int, window: str, before_idx: int) -> list[int]:
     """Boots of this window's control that were measured warm before slot `before_idx`."""
     with store.session() as s:

@@ -157,3 +157,38 @@ def test_sigterm_stops_the_engine_and_leaves_the_run_resumable(tmp_path: Path) -
     code, out = finish(lab_process(["run", "--resume", "t"], tmp_path, with_ping=True))
     assert code == 1 and "already complete" in out
     assert os.path.exists(tmp_path / "runs" / "t" / "boots" / "00-C0ctl-open-a2.log")
+
+
+@pytest.mark.usefixtures("cleanup")
+def test_a_time_budget_stops_before_a_boot_it_cannot_hold_and_resume_finishes_the_run(tmp_path: Path) -> None:
+    body = BODY.replace("delay_s: 0.6", "delay_s: 0.2") + "hygiene:\n  warmup_boot: true\n"
+    ladder = stub_ladder(tmp_path, body)
+    # One second holds no boot: the warm-up and the first control start anyway (no boot of their
+    # kind has finished to say how long one takes), and the run stops before the first arm.
+    code, out = finish(lab_process(["run", str(ladder), "--name", "b", "--time-budget", "1"], tmp_path,
+                                   with_ping=True))
+    assert code == 75, out
+    assert "measured boot took" in out and "stopped before slot 2 (A1)" in out and "lab run --resume b" in out
+    store = open_store(str(tmp_path / "lab.db"))
+    with store.session() as s:
+        run = s.scalar(select(m.Run))
+        assert run.status == "interrupted" and "time budget" in run.reason
+        slots = s.scalars(select(m.Slot).order_by(m.Slot.idx)).all()
+        assert [sl.status for sl in slots] == ["done", "done", "pending", "pending", "pending"]
+        assert s.scalar(select(func.count()).select_from(m.Boot)) == 2
+
+    # A budget that holds every boot runs the rest to the end.
+    code, out = finish(lab_process(["run", "--resume", "b", "--time-budget", "600"], tmp_path, with_ping=True))
+    assert code == 0, out
+    with store.session() as s:
+        assert s.scalar(select(m.Run.status)) == "done"
+        assert s.scalar(select(func.count()).select_from(m.Boot)) == 5
+    assert len(cell_keys(store)) == 4 * (4 + 1)  # the four measured boots' pings and memory floors
+
+
+def test_a_time_budget_that_is_not_a_positive_number_is_refused(tmp_path: Path) -> None:
+    ladder = stub_ladder(tmp_path, BODY)
+    for bad in ("0", "ten"):
+        code, out = finish(lab_process(["run", str(ladder), "--time-budget", bad], tmp_path))
+        assert code == 2 and "--time-budget" in out, out
+    assert not (tmp_path / "lab.db").exists()
