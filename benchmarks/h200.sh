@@ -12,7 +12,9 @@
 #   store carried in .cache/long/);
 #   prefill-ref-long is cold prefill at 32K, 64K and 131K beside transformers (sdpa, logits of the last position); prefill-1m is one cold
 #   prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV: a call of its own);
-#   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV; prefill-ref is
+#   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV, and at batch 1 (bf16);
+#   prefill-profile is benchmarks/prefill_profile.py (a cold 32K and 131K prefill by part against its floor,
+#   bf16 KV; 131K with fp8 KV on dummy:llama3-8b-1m); prefill-ref is
 #   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs;
 #   lab is `lab calibrate ladders/h200.yaml --boots 3` (the control's boot-to-boot noise), then
 #   `lab run ladders/h200.yaml` end to end (warm-up boot, control, five arms, control), then `lab ls`,
@@ -158,7 +160,13 @@ run_stage() {
     attn) PYTHONPATH=$PYTHONPATH:$PWD/.cache/stage timeout 150 python3 benchmarks/attention_fp8.py \
             > "$OUT/attention_fp8.txt" 2>&1 ;;
     profile) { timeout 120 python3 benchmarks/step_profile.py --kv-cache-dtype fp8;
-            timeout 100 python3 benchmarks/step_profile.py; } > "$OUT/step_profile.txt" 2>&1 ;;
+            timeout 100 python3 benchmarks/step_profile.py;
+            timeout 100 python3 benchmarks/step_profile.py --requests 1 --prompt-tokens 128 --decode-before 64 \
+              --steps 64; } > "$OUT/step_profile.txt" 2>&1 ;;
+    prefill-profile) { timeout 150 python3 benchmarks/prefill_profile.py --lengths 32768,131000 \
+                         --json "$OUT/prefill_profile_bf16.json";
+            timeout 150 python3 benchmarks/prefill_profile.py --model dummy:llama3-8b-1m --kv-cache-dtype fp8 \
+              --lengths 131000 --json "$OUT/prefill_profile_fp8.json"; } > "$OUT/prefill_profile.txt" 2>&1 ;;
     lab) run=h200-$commit
          # power, temperature and clocks once a second, to set beside each boot's figures
          nvidia-smi dmon -s pc -d 1 -o DT > "$OUT/lab-dmon.txt" 2>&1 &

@@ -45,3 +45,15 @@ def test_tier_restart_resumes_from_the_file_with_the_warm_engines_answer(tmp_pat
     file_run = next(r for r in found["results"] if r["setting"] == "file")
     assert file_run["resumes"][0]["cached_tokens"] >= 240  # the history's full blocks, from the file
     assert found["equals_warm_resume"]["file"] == [True]
+
+
+def test_prefill_profile_splits_a_chunked_prefill_by_part_beside_its_floors(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    text = run_script("prefill_profile.py", "--model", "dummy:smollm2-135m", "--device", "cpu", "--dtype", "float32",
+                      "--lengths", "300", "--max-num-batched-tokens", "128", "--json", str(out))
+    (found,) = json.loads(out.read_text())["lengths"]
+    assert found["tokens"] == 300 and found["seconds"] > 0
+    # Three chunks of 128 tokens: the products and attention ran, and each has its FLOP floor.
+    assert found["parts_s"]["products"] > 0 and found["parts_s"]["attention"] > 0
+    assert 0 < found["part_floors_s"]["attention"] < found["part_floors_s"]["products"]
+    assert "300 tokens:" in text and "of it" in text
