@@ -9,7 +9,7 @@
 #   attn-prefill is benchmarks/attention_prefill.py (PyTorch's attention kernels on long-prefill shapes) and
 #   the GPU attention tests; prefill-long is cold prefill at 8K, 32K and 131K alone;
 #   long and 1m run ladders/h200-long.yaml and ladders/h200-1m.yaml a call at a time (resumed from the
-#   store carried in .cache/long/);
+#   store carried in .cache/long/); long-cal calibrates ladders/h200-long.yaml into that store (3 boots);
 #   prefill-ref-long is cold prefill at 32K, 64K and 131K beside transformers (sdpa, logits of the last position); prefill-1m is one cold
 #   prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV: a call of its own);
 #   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV, and at batch 1 (bf16);
@@ -62,6 +62,8 @@ stages=${*:-bf16 fp8 tests kernels smollm2}
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'; } > "$OUT/env.txt" 2>&1
 big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-batched-tokens 8192
      --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --throughput-tokens 1024)
+# An xz file decompressed with Python's lzma: the image may lack xz-utils.
+unxz_to() { python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$2"; }
 run_stage() {
   local stage=$1
   case $stage in
@@ -194,7 +196,10 @@ run_stage() {
          # LONG_RUN names the run to resume when it was started at another commit (another session).
          # The 1M ladder runs its control alone (lab sweep --control-only): its arm's window would not fit
          # a 30-minute session. --time-budget keeps a call from starting a boot it cannot finish.
+         # LONG_STORE (an xz store, such as one committed under benchmarks/results) seeds .cache/long when
+         # it holds no store yet.
          db=.cache/long/h200-long.db; run=h200-$stage-${LONG_RUN:-$commit}; mkdir -p .cache/long/triton
+         [ ! -f "$db" ] && [ -n "${LONG_STORE:-}" ] && unxz_to "$LONG_STORE" "$db"
          export TRITON_CACHE_DIR=$PWD/.cache/long/triton; limit=${LONG_LIMIT:-560}
          if python3 -m lab ls --db "$db" "$run" > /dev/null 2>&1; then what=(run --resume "$run")
          elif [ "$stage" = 1m ]; then what=(sweep ladders/h200-1m.yaml --control-only --label "$commit" --name "$run")
@@ -203,6 +208,15 @@ run_stage() {
            python3 -m lab ls --db "$db" "$run"; } > "$OUT/$stage.txt" 2>&1
          cp "$db" "$OUT/h200-long.db"; tar czf "$OUT/triton.tgz" -C .cache/long triton
          [ -d "runs/$run" ] && tar czf "$OUT/$stage-logs.tgz" "runs/$run" ;;
+    long-cal) # 3 control boots of ladders/h200-long.yaml after a warm-up, into the same store (LONG_STORE as
+         # above): the noise of each key metric on this host, with which `lab report` judges the run again
+         db=.cache/long/h200-long.db; run=h200-long-${LONG_RUN:-$commit}; mkdir -p .cache/long/triton
+         [ ! -f "$db" ] && [ -n "${LONG_STORE:-}" ] && unxz_to "$LONG_STORE" "$db"
+         export TRITON_CACHE_DIR=$PWD/.cache/long/triton
+         { timeout "${LONG_LIMIT:-560}" python3 -m lab calibrate ladders/h200-long.yaml --boots 3 --db "$db" \
+             --name "h200-long-cal-$commit"; echo "lab calibrate exit $?"
+           COLUMNS=200 python3 -m lab compare --db "$db" "$run:C0ctl" "$run:L1mnbt4k"; } > "$OUT/long-cal.txt" 2>&1
+         cp "$db" "$OUT/h200-long.db"; tar czf "$OUT/triton.tgz" -C .cache/long triton ;;
     served) for sw in 5 0.5 0.2; do
               ( for _ in $(seq 120); do p=$(pgrep -f "lab.engine serve" | head -1); [ -n "$p" ] && break; sleep 0.5; done
                 [ -n "$p" ] && [ -x /tmp/site/bin/py-spy ] && /tmp/site/bin/py-spy record --pid "$p" --rate 200 --threads \
