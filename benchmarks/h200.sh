@@ -197,9 +197,10 @@ run_stage() {
          # The 1M ladder runs its control alone (lab sweep --control-only): its arm's window would not fit
          # a 30-minute session. --time-budget keeps a call from starting a boot it cannot finish.
          # LONG_STORE (an xz store, such as one committed under benchmarks/results) seeds .cache/long when
-         # it holds no store yet.
+         # it holds no store yet, LONG_TRITON (a triton.tgz from an earlier call) its Triton cache.
          db=.cache/long/h200-long.db; run=h200-$stage-${LONG_RUN:-$commit}; mkdir -p .cache/long/triton
          [ ! -f "$db" ] && [ -n "${LONG_STORE:-}" ] && unxz_to "$LONG_STORE" "$db"
+         [ -n "${LONG_TRITON:-}" ] && [ -z "$(ls -A .cache/long/triton)" ] && tar xzf "$LONG_TRITON" -C .cache/long
          export TRITON_CACHE_DIR=$PWD/.cache/long/triton; limit=${LONG_LIMIT:-560}
          if python3 -m lab ls --db "$db" "$run" > /dev/null 2>&1; then what=(run --resume "$run")
          elif [ "$stage" = 1m ]; then what=(sweep ladders/h200-1m.yaml --control-only --label "$commit" --name "$run")
@@ -212,6 +213,7 @@ run_stage() {
          # above): the noise of each key metric on this host, with which `lab report` judges the run again
          db=.cache/long/h200-long.db; run=h200-long-${LONG_RUN:-$commit}; mkdir -p .cache/long/triton
          [ ! -f "$db" ] && [ -n "${LONG_STORE:-}" ] && unxz_to "$LONG_STORE" "$db"
+         [ -n "${LONG_TRITON:-}" ] && [ -z "$(ls -A .cache/long/triton)" ] && tar xzf "$LONG_TRITON" -C .cache/long
          export TRITON_CACHE_DIR=$PWD/.cache/long/triton
          { timeout "${LONG_LIMIT:-560}" python3 -m lab calibrate ladders/h200-long.yaml --boots 3 --db "$db" \
              --name "h200-long-cal-$commit"; echo "lab calibrate exit $?"
