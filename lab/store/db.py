@@ -7,9 +7,9 @@ import contextlib
 import fcntl
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from lab.store.models import Base, Meta
 
 SCHEMA_VERSION = "1"
+T = TypeVar("T")
 
 
 class StoreError(RuntimeError):
@@ -100,7 +101,7 @@ def open_store(target: str, create: bool = True) -> Store:
                 _create_tables(store)
         else:
             _create_tables(store)
-        version = _schema_version(store)
+        version = _when_unlocked(lambda: _schema_version(store))
         if version != SCHEMA_VERSION:
             raise StoreError(f"{target} has store schema {version}; this lab writes schema {SCHEMA_VERSION}")
     except StoreError:
@@ -136,10 +137,27 @@ def _create_tables(store: Store, attempts: int = 8) -> None:
             _add_new_columns(store)
             return
         except OperationalError as exc:
-            raced = "already exists" in str(exc) or "duplicate column" in str(exc)
+            raced = any(text_ in str(exc) for text_ in ("already exists", "duplicate column", LOCKED))
             if not raced or attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
+
+
+# SQLite answers this at once, without waiting out busy_timeout, when a transaction that read
+# must become a writer while another connection writes (waiting could deadlock): new stores
+# opened by several processes at once meet it. Trying the transaction again a moment later works.
+LOCKED = "database is locked"
+
+
+def _when_unlocked(fn: Callable[[], T], attempts: int = 8) -> T:
+    for attempt in range(attempts - 1):
+        try:
+            return fn()
+        except OperationalError as exc:
+            if LOCKED not in str(exc):
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    return fn()
 
 
 def _add_new_columns(store: Store) -> None:
