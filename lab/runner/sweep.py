@@ -39,6 +39,8 @@ def create(store: Store, ladder_path: str | Path, label: str, control_only: bool
         # Each window's control alone, opened and closed: two warm boots per label to state its drift.
         data = yaml.safe_load(text)
         data["windows"] = [{"name": w.name, "control": w.control_name} for w in ladder.windows]
+        # The report heads with the description: it must not name arms this run leaves out.
+        data["description"] = f"{ladder.description + ', ' if ladder.description else ''}controls only"
         data["repeats"] = 1
         data.setdefault("keep", {})["gates"] = []  # gates judge arms; there are none
         text = f"# {ladder.name} ({Path(ladder_path).name}), controls only, for `lab sweep`\n" + \

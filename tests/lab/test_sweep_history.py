@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lab.cli import main as lab_main
 from lab.store import reader
@@ -23,6 +24,10 @@ def test_each_label_is_a_run_under_one_series_the_control_only_ones_of_the_contr
         slots = [[(s.arm.name, s.position, s.status) for s in reader.slots(store, p.run_id)] for p in points]
         assert slots[0] == [("C0ctl", "open", "done"), ("A1kv16m", "arm", "done"), ("C0ctl", "close", "done")]
         assert slots[1] == slots[2] == [("C0ctl", "open", "done"), ("C0ctl", "close", "done")]
+        described = [yaml.safe_load(reader.find_run(store, str(p.run_id)).ladder_text).get("description", "")
+                     for p in points]
+        assert "controls only" not in described[0]
+        assert described[1].endswith("controls only") and described[2].endswith("controls only")
     finally:
         store.close()
 
