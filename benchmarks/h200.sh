@@ -4,7 +4,8 @@
 # limit and writes under $OUT, so one failing stage still leaves the others' figures.
 #   usage (device command): bash benchmarks/h200.sh COMMIT [STAGE ...]
 #   stages: bf16 fp8 tests kernels smollm2 (default: all five); bf16-noref is bf16 without transformers;
-#   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B); attn is the fp8 decode attention
+#   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B); pdl is that decode without and with
+#   programmatic dependent launch (--pdl), alternated twice, and its GPU test; attn is the fp8 decode attention
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
 #   attn-prefill is benchmarks/attention_prefill.py (PyTorch's attention kernels on long-prefill shapes) and
 #   the GPU attention tests; prefill-long is cold prefill at 8K, 32K and 131K alone;
@@ -77,6 +78,13 @@ run_stage() {
             --repeats 3 --throughput "" --json "$OUT/llama3_8b_prefill_ref.json" > "$OUT/llama3_8b_prefill_ref.txt" 2>&1 ;;
     decode) timeout 120 python3 -m lab.engine bench "${big[@]}" --prefill-lengths "" --concurrency 32 --repeats 3 \
             --reference none --json "$OUT/llama3_8b_decode.json" > "$OUT/llama3_8b_decode.txt" 2>&1 ;;
+    pdl) # batch-1 and batch-32 decode without and with programmatic dependent launch, alternated (ABAB),
+         # then the GPU test that it changes no token
+         { for i in 1 2 3 4; do p=$([ $((i % 2)) = 0 ] && echo true || echo false)
+             timeout 100 python3 -m lab.engine bench "${big[@]}" --pdl $p --prefill-lengths "" --concurrency 32 \
+               --repeats 3 --reference none --json "$OUT/decode_pdl_$i.json"; done
+           timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
+             -k "programmatic or graph"; } > "$OUT/pdl.txt" 2>&1 ;;
     fp8) timeout 120 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
             --concurrency 32 --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" \
             > "$OUT/llama3_8b_fp8.txt" 2>&1 ;;

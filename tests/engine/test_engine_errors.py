@@ -77,3 +77,9 @@ def test_env_and_flag_precedence_and_hash() -> None:
     assert cfg.hash != EngineConfig().hash
     with pytest.raises(ConfigError, match="LAB_ENGINE_TYPO: no such engine knob"):
         from_sources({}, {"LAB_ENGINE_TYPO": "1"})
+
+
+def test_programmatic_dependent_launch_on_the_cpu_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="--pdl needs --attention-backend triton on a CUDA GPU") as err:
+        LLM("smollm2-135m", device="cpu", pdl=True)
+    assert "\n" not in str(err.value)

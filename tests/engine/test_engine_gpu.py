@@ -151,3 +151,24 @@ def test_a_repeated_workload_sends_the_allocator_to_the_driver_no_more() -> None
     after = memory_report(torch.device("cuda"))["allocator"]
     assert after["device_allocs"] == before["device_allocs"]
     assert after["alloc_retries"] == 0
+
+
+def test_programmatic_dependent_launch_changes_no_token_or_logprob() -> None:
+    """PDL only moves when a kernel's programs are placed: each waits for the kernel before it
+    before touching memory, so the same sums run in the same order. With CUDA graphs and the
+    overlapped loop, alone and six at once, tokens and logprobs equal those without it."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or newer")
+    ps = prompts(6, seed=7)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
+
+    def answers(llm: LLM) -> list:
+        runs = [llm.generate([ps[0]], params), llm.generate(ps, params)]
+        return [(c.token_ids, [dict(lp.top) for lp in c.logprobs]) for run in runs for c in run]
+
+    plain = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda")
+    want = answers(plain)
+    del plain
+    launched = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", pdl=True)
+    assert launched.engine.runner.graphs is not None and launched.engine.runner.attention.pdl
+    assert answers(launched) == want

@@ -61,6 +61,9 @@ class EngineConfig:
                                    ("auto", "torch", "triton"))
     gemv_backend: str = _knob("auto", "matrix products of decode steps (at most 16 rows): auto = the Triton "
                               "skinny kernels when attention is triton, torch = cuBLAS", ("auto", "triton", "torch"))
+    pdl: bool = _knob(False, "launch decode steps' Triton kernels (skinny products, decode attention) with "
+                      "programmatic dependent launch, overlapping each launch with the previous kernel's tail "
+                      "(CUDA, sm_90 and newer; needs the triton backends)")
     cuda_graphs: bool = _knob(True, "capture decode steps as CUDA graphs (CUDA only)")
     cuda_graph_max_batch_size: int = _knob(256, "largest decode batch captured as a CUDA graph")
     overlap_decode: str = _knob("auto", "queue each decode step on the device before reading the previous "

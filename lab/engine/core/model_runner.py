@@ -3,6 +3,7 @@ over a flat varlen batch, then samples."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -50,6 +51,9 @@ def make_backends(config: EngineConfig, device: torch.device,
         choice = "triton" if device.type == "cuda" else "torch"
     if config.gemv_backend == "triton" and choice != "triton":
         raise ConfigError("--gemv-backend triton needs --attention-backend triton on --device cuda")
+    if config.pdl and (choice != "triton" or device.type != "cuda"
+                       or torch.cuda.get_device_capability(device) < (9, 0)):
+        raise ConfigError("--pdl needs --attention-backend triton on a CUDA GPU of compute capability 9.0 or newer")
     if choice == "torch":
         return TorchAttention(), Ops()
     if device.type != "cuda":
@@ -58,7 +62,7 @@ def make_backends(config: EngineConfig, device: torch.device,
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.model.triton_attention import TritonAttention
 
-    attention = TritonAttention(max_model_len=max_model_len)
+    attention = TritonAttention(max_model_len=max_model_len, pdl=config.pdl)
 
     def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,10 +75,11 @@ def make_backends(config: EngineConfig, device: torch.device,
                         rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slots: torch.Tensor) -> torch.Tensor:
             rope = gemv.RopeKV(rows, k_cache, v_cache, slots, attention.k_scale, attention.v_scale)
-            return gemv.skinny_linear(x, w, norm_weight=norm_weight, eps=eps, rope=rope)
+            return gemv.skinny_linear(x, w, norm_weight=norm_weight, eps=eps, rope=rope, pdl=config.pdl)
 
-        ops.skinny = SkinnyOps(rows=gemv.MAX_ROWS, linear=gemv.skinny_linear,
-                               silu_mul_linear=gemv.skinny_silu_mul_linear, qkv_rope_kv=qkv_rope_kv)
+        ops.skinny = SkinnyOps(rows=gemv.MAX_ROWS, linear=functools.partial(gemv.skinny_linear, pdl=config.pdl),
+                               silu_mul_linear=functools.partial(gemv.skinny_silu_mul_linear, pdl=config.pdl),
+                               qkv_rope_kv=qkv_rope_kv)
     return attention, ops
 
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from lab.engine.kernels.cache_dtypes import FP8_DTYPES
+from lab.engine.kernels.dependent_launch import dependent_launch_prologue, pdl_arguments
 from lab.engine.kernels.paged_tiles import attend_tiles, dot_in_fp16, dot_precision
 
 # Fewest KV tokens worth a split of their own: below this the merge costs more than it hides.
@@ -54,7 +55,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          DOT_FP16: tl.constexpr, V_FP8_PAIRS: tl.constexpr, FP8_ASM: tl.constexpr,
-                         PAGES_AHEAD: tl.constexpr):
+                         PAGES_AHEAD: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        dependent_launch_prologue()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,7 +105,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh, head_dim,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        dependent_launch_prologue()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
@@ -210,14 +215,16 @@ def _launch_config(device: torch.device, num_splits: int, cache_dtype: torch.dty
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
                      max_context_len: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                     num_splits: int | None = None, config: dict[str, int] | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, config: dict[str, int] | None = None,
+                     pdl: bool = False) -> torch.Tensor:
     """Attention of one query per sequence (q: [B, H, D]) over `context_lens` KV tokens read
     through `block_tables` ([B, max_blocks]) from caches [num_blocks, block_size, KVH, D] (model
     dtype, or fp8 holding x / scale). Returns `out` ([B, H, D], q's dtype; may be a view).
     `max_context_len` only sizes the split count (defaults to the block table's capacity).
     `config` overrides entries of the launch configuration, for tuning: BLOCK_N, num_warps,
     num_stages, PAGES_AHEAD (look block-table entries up a tile ahead), V_FP8_PAIRS (False: widen
-    an fp8 V tile the way Triton does by itself), maxnreg (register cap)."""
+    an fp8 V tile the way Triton does by itself), maxnreg (register cap). `pdl` launches both
+    kernels with programmatic dependent launch (lab.engine.kernels.dependent_launch)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
@@ -256,12 +263,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_D=block_d,
         DIRECT=direct, DOT_PRECISION=dot_precision(q.dtype), DOT_FP16=dot_fp16, V_FP8_PAIRS=v_pairs,
         FP8_ASM=_fp8_asm(q.device), PAGES_AHEAD=config.get("PAGES_AHEAD", False),
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **extra,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **extra, **pdl_arguments(pdl),
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1), head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4, **pdl_arguments(pdl),
         )
     return out
 

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lab.engine.kernels.dependent_launch import dependent_launch_prologue, pdl_arguments
 from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 from lab.engine.kernels.rmsnorm import rms_norm
 from lab.engine.kernels.rope_kv_write import rope_and_write_kv, to_cache
@@ -155,7 +156,10 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, g_ptr, r_ptr,
                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                    cs_ptr, slot_ptr, kc_ptr, vc_ptr, k_scale, v_scale, stride_cs,
                    stride_cache_block, stride_cache_slot, stride_cache_head, block_size, num_heads, num_kv_heads,
-                   ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 1, QUANTIZE: tl.constexpr = False):
+                   ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 1, QUANTIZE: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
+    if PDL:
+        dependent_launch_prologue()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if ROPE:
@@ -407,7 +411,7 @@ def _plan(cfg: GemvConfig, m: int, n: int, k: int, one_pass: bool, device: torch
 
 def _launch(plan: _Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul: bool,
             norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
-            rope: RopeKV | None) -> None:
+            rope: RopeKV | None, pdl: bool) -> None:
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     cfg, counters = plan.cfg, plan.counters
     part = torch.empty((plan.split if plan.split > 1 else 0, m, n), dtype=torch.float32, device=x.device)
@@ -420,13 +424,14 @@ def _launch(plan: _Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, si
         USE_DOT=cfg.use_dot, SILU_MUL=silu_mul, NORM=norm_weight is not None, RESIDUAL=residual is not None,
         EVEN_K=k % cfg.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, **_rope_arguments(rope, n, out),
+        num_warps=cfg.num_warps, **_rope_arguments(rope, n, out), **pdl_arguments(pdl),
     )
 
 
 def _product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype | None,
              config: GemvConfig | None, silu_mul: bool, name: str, norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, residual: torch.Tensor | None = None, rope: RopeKV | None = None) -> torch.Tensor:
+             eps: float = 0.0, residual: torch.Tensor | None = None, rope: RopeKV | None = None,
+             pdl: bool = False) -> torch.Tensor:
     """Check, plan and launch one product; the parts a config's path cannot fuse run as their own
     kernels."""
     out = _check(x, w, out, out_dtype, silu_mul, name, norm_weight, residual, rope)
@@ -449,12 +454,12 @@ def _product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dty
             # The rotation pairs rows d and d + D/2; only the FMA path's tiles (a few rows each,
             # any rows) are ordered to hold both. Elsewhere the separate kernel does it after the
             # product.
-            y = _product(x, w, out, out_dtype, config, silu_mul, name, norm_weight, eps)
+            y = _product(x, w, out, out_dtype, config, silu_mul, name, norm_weight, eps, pdl=pdl)
             q, k, v = y.view(m, -1, head_dim).split([n // head_dim - 2 * kv_heads, kv_heads, kv_heads], dim=1)
             rope_and_write_kv(q, k, v, *rope)
             return y
     plan = _plan(cfg, m, n, k, norm_weight is not None or rope is not None, x.device, name)
-    _launch(plan, x, w, out, silu_mul, norm_weight, eps, residual, rope)
+    _launch(plan, x, w, out, silu_mul, norm_weight, eps, residual, rope, pdl)
     return out
 
 
@@ -476,7 +481,7 @@ def _rope_arguments(rope: RopeKV | None, n: int, out: torch.Tensor) -> dict:
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, *, norm_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, residual: torch.Tensor | None = None, rope: RopeKV | None = None,
-                  config: GemvConfig | None = None) -> torch.Tensor:
+                  config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """x[M, K] @ w[N, K]^T for M <= MAX_ROWS, fp32 accumulation, result in out_dtype (default x's
     dtype; float32 is allowed, e.g. for logits) or into `out`. x may be a row view (stride(1) == 1);
     w must be contiguous. `config` overrides the tuned launch config (benchmarks, tests).
@@ -493,16 +498,18 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     with q and k rotated, and k and v are stored at their cache slots, as
     rope_kv_write.rope_and_write_kv would do after the product. On the FMA path the epilogue does
     it (no launch of its own; each tile is ordered to hold whole rotation pairs); on the others
-    that kernel runs after the product."""
+    that kernel runs after the product.
+
+    `pdl` launches the kernel with programmatic dependent launch (lab.engine.kernels.dependent_launch)."""
     return _product(x, w, out, out_dtype, config, silu_mul=False, name="skinny_linear",
-                     norm_weight=norm_weight, eps=eps, residual=residual, rope=rope)
+                    norm_weight=norm_weight, eps=eps, residual=residual, rope=rope, pdl=pdl)
 
 
 def skinny_silu_mul_linear(gate_up: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                            out_dtype: torch.dtype | None = None, *, residual: torch.Tensor | None = None,
-                           config: GemvConfig | None = None) -> torch.Tensor:
+                           config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ w^T with gate, up = gate_up[:, :K], gate_up[:, K:] for w[N, K]: the
     MLP's activation and down projection in one kernel, rounded like layers.silu_and_mul; plus
     `residual` when given, as in skinny_linear."""
     return _product(gate_up, w, out, out_dtype, config, silu_mul=True, name="skinny_silu_mul_linear",
-                    residual=residual)
+                    residual=residual, pdl=pdl)

@@ -32,7 +32,7 @@ class TritonAttention:
     name = "triton"
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, pdl: bool = False) -> None:
         self.k_scale = k_scale
         self.v_scale = v_scale
         # None: chosen per step from the decode batch and its longest context.
@@ -46,6 +46,8 @@ class TritonAttention:
         # PyTorch's kernels for a prefill chunk's prefix and its own tokens (warm_up falls back to
         # flash attention where this build's cuDNN cannot run them).
         self.chunk_backends = (PREFIX_BACKEND, CHUNK_BACKEND)
+        # Decode attention launched with programmatic dependent launch (engine knob `pdl`).
+        self.pdl = pdl
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -60,7 +62,7 @@ class TritonAttention:
             decode_attention(q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
                              meta.context_lens[:num_decodes], scale, out[:num_decodes],
                              max_context_len=self._max_decode_context(meta, k_cache), k_scale=self.k_scale,
-                             v_scale=self.v_scale, num_splits=self.num_splits)
+                             v_scale=self.v_scale, num_splits=self.num_splits, pdl=self.pdl)
         num_prefills = meta.num_seqs - num_decodes
         if 0 < num_prefills <= FEW_PREFILLS:
             self._flash_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
@@ -92,7 +94,7 @@ class TritonAttention:
                         if width // 2 + 1 <= MAX_SPLITS]
         for num_splits in sorted(set(splits)):
             decode_attention(q[:1], k_cache, v_cache, table[:1], context[:1], 1.0, out[:1],
-                             k_scale=self.k_scale, v_scale=self.v_scale, num_splits=num_splits)
+                             k_scale=self.k_scale, v_scale=self.v_scale, num_splits=num_splits, pdl=self.pdl)
         starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
         prefill_attention(q, k_cache, v_cache, table, starts, context, 1.0, out, first_seq=1, num_seqs=1,
                           max_query_len=1, k_scale=self.k_scale, v_scale=self.v_scale)
