@@ -83,3 +83,11 @@ def test_programmatic_dependent_launch_on_the_cpu_is_refused_in_one_line() -> No
     with pytest.raises(ConfigError, match="--pdl needs --attention-backend triton on a CUDA GPU") as err:
         LLM("smollm2-135m", device="cpu", pdl=True)
     assert "\n" not in str(err.value)
+
+
+def test_a_knob_added_later_leaves_existing_config_hashes_unchanged() -> None:
+    """Stored runs resume only when their arms' hashes are re-derived, and nightly series are
+    keyed by the control's hash: these two were computed before the `pdl` knob existed."""
+    assert EngineConfig().hash == "4922fd059c13b7a9"
+    assert EngineConfig(model="dummy:llama3-8b-1m", kv_cache_dtype="fp8").hash == "6fb57256967e0d22"
+    assert EngineConfig(pdl=True).hash != EngineConfig().hash

@@ -21,8 +21,11 @@ class ConfigError(ValueError):
     """A knob value the engine cannot run with; the message is one actionable line."""
 
 
-def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None, hashed_at_default: bool = True) -> Any:
+    """A knob; `hashed_at_default=False` (every knob added from now on) leaves it out of the config
+    hash while it holds its default: the engine then computes what it did before the knob existed,
+    so runs planned earlier still resume and series keyed by the hash stay one series."""
+    return field(default=default, metadata={"help": help, "choices": choices, "hashed_at_default": hashed_at_default})
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class EngineConfig:
                               "skinny kernels when attention is triton, torch = cuBLAS", ("auto", "triton", "torch"))
     pdl: bool = _knob(False, "launch decode steps' Triton kernels (skinny products, decode attention) with "
                       "programmatic dependent launch, overlapping each launch with the previous kernel's tail "
-                      "(CUDA, sm_90 and newer; needs the triton backends)")
+                      "(CUDA, sm_90 and newer; needs the triton backends)", hashed_at_default=False)
     cuda_graphs: bool = _knob(True, "capture decode steps as CUDA graphs (CUDA only)")
     cuda_graph_max_batch_size: int = _knob(256, "largest decode batch captured as a CUDA graph")
     overlap_decode: str = _knob("auto", "queue each decode step on the device before reading the previous "
@@ -94,7 +97,8 @@ class EngineConfig:
 
     @property
     def hash(self) -> str:
-        return config_hash(self.to_dict())
+        return config_hash({name: value for name, value in self.to_dict().items()
+                            if KNOBS[name].metadata["hashed_at_default"] or value != KNOBS[name].default})
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
