@@ -65,6 +65,15 @@ big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-b
      --max-num-seqs 256 --prompt-tokens 1024 --decode-tokens 64 --throughput-tokens 1024)
 # An xz file decompressed with Python's lzma: the image may lack xz-utils.
 unxz_to() { python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$2"; }
+# The long-context stages' store and Triton cache in .cache/long: LONG_STORE (an xz store, such as
+# one committed under benchmarks/results) seeds the store when there is none, LONG_TRITON (a
+# triton.tgz from an earlier call) the cache when it is empty.
+seed_long() {
+  mkdir -p .cache/long/triton
+  [ ! -f "$1" ] && [ -n "${LONG_STORE:-}" ] && unxz_to "$LONG_STORE" "$1"
+  [ -n "${LONG_TRITON:-}" ] && [ -z "$(ls -A .cache/long/triton)" ] && tar xzf "$LONG_TRITON" -C .cache/long
+  export TRITON_CACHE_DIR=$PWD/.cache/long/triton
+}
 run_stage() {
   local stage=$1
   case $stage in
@@ -204,12 +213,7 @@ run_stage() {
          # LONG_RUN names the run to resume when it was started at another commit (another session).
          # The 1M ladder runs its control alone (lab sweep --control-only): its arm's window would not fit
          # a 30-minute session. --time-budget keeps a call from starting a boot it cannot finish.
-         # LONG_STORE (an xz store, such as one committed under benchmarks/results) seeds .cache/long when
-         # it holds no store yet, LONG_TRITON (a triton.tgz from an earlier call) its Triton cache.
-         db=.cache/long/h200-long.db; run=h200-$stage-${LONG_RUN:-$commit}; mkdir -p .cache/long/triton
-         [ ! -f "$db" ] && [ -n "${LONG_STORE:-}" ] && unxz_to "$LONG_STORE" "$db"
-         [ -n "${LONG_TRITON:-}" ] && [ -z "$(ls -A .cache/long/triton)" ] && tar xzf "$LONG_TRITON" -C .cache/long
-         export TRITON_CACHE_DIR=$PWD/.cache/long/triton; limit=${LONG_LIMIT:-560}
+         db=.cache/long/h200-long.db; run=h200-$stage-${LONG_RUN:-$commit}; seed_long "$db"; limit=${LONG_LIMIT:-560}
          if python3 -m lab ls --db "$db" "$run" > /dev/null 2>&1; then what=(run --resume "$run")
          elif [ "$stage" = 1m ]; then what=(sweep ladders/h200-1m.yaml --control-only --label "$commit" --name "$run")
          else what=(run "ladders/h200-$stage.yaml" --name "$run"); fi
@@ -217,12 +221,9 @@ run_stage() {
            python3 -m lab ls --db "$db" "$run"; } > "$OUT/$stage.txt" 2>&1
          cp "$db" "$OUT/h200-long.db"; tar czf "$OUT/triton.tgz" -C .cache/long triton
          [ -d "runs/$run" ] && tar czf "$OUT/$stage-logs.tgz" "runs/$run" ;;
-    long-cal) # 3 control boots of ladders/h200-long.yaml after a warm-up, into the same store (LONG_STORE as
-         # above): the noise of each key metric on this host, with which `lab report` judges the run again
-         db=.cache/long/h200-long.db; run=h200-long-${LONG_RUN:-$commit}; mkdir -p .cache/long/triton
-         [ ! -f "$db" ] && [ -n "${LONG_STORE:-}" ] && unxz_to "$LONG_STORE" "$db"
-         [ -n "${LONG_TRITON:-}" ] && [ -z "$(ls -A .cache/long/triton)" ] && tar xzf "$LONG_TRITON" -C .cache/long
-         export TRITON_CACHE_DIR=$PWD/.cache/long/triton
+    long-cal) # 3 control boots of ladders/h200-long.yaml after a warm-up, into the same store (seed_long):
+         # the noise of each key metric on this host, with which `lab report` judges the run again
+         db=.cache/long/h200-long.db; run=h200-long-${LONG_RUN:-$commit}; seed_long "$db"
          { timeout "${LONG_LIMIT:-560}" python3 -m lab calibrate ladders/h200-long.yaml --boots 3 --db "$db" \
              --name "h200-long-cal-$commit"; echo "lab calibrate exit $?"
            COLUMNS=200 python3 -m lab compare --db "$db" "$run:C0ctl" "$run:L1mnbt4k"; } > "$OUT/long-cal.txt" 2>&1

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lab.engine.core.config import from_sources
 from lab.engine.core.sampling_params import SamplingParams
-from lab.engine.model.roofline import measure_ceilings, prefill_flops
+from lab.engine.model.roofline import measure_ceilings, prefill_attention_flops, prefill_flops
 from lab.engine.serve.llm import LLM
 
 # Kernel (or CPU operator) name fragments, first match wins. Attention comes before products:
@@ -95,7 +95,7 @@ def main() -> None:
             by_part[part(name)] += secs
         total = sum(by_part.values()) or float("nan")
         flops = prefill_flops(mc, n)
-        attn_flops = 2 * 2 * mc.num_layers * mc.num_heads * mc.head_dim * n * n / 2
+        attn_flops = prefill_attention_flops(mc, n)
         floors = {"products": (flops - attn_flops) / ceilings.matmul_flops_per_s,
                   "attention": attn_flops / ceilings.matmul_flops_per_s}
         print(f"\n{n} tokens: {seconds:.2f} s ({n / seconds:,.0f} tok/s), floor {flops / ceilings.matmul_flops_per_s:.2f} s "

@@ -101,7 +101,7 @@ def open_store(target: str, create: bool = True) -> Store:
                 _create_tables(store)
         else:
             _create_tables(store)
-        version = _when_unlocked(lambda: _schema_version(store))
+        version = _retry(lambda: _schema_version(store), (LOCKED,))
         if version != SCHEMA_VERSION:
             raise StoreError(f"{target} has store schema {version}; this lab writes schema {SCHEMA_VERSION}")
     except StoreError:
@@ -127,20 +127,15 @@ def _schema_version(store: Store) -> str:
             return session.get_one(Meta, "schema_version").value
 
 
-def _create_tables(store: Store, attempts: int = 8) -> None:
+def _create_tables(store: Store) -> None:
     """Create missing tables; another process creating them at the same moment is not an error.
     SQLite commits each CREATE TABLE on its own, so a creator that lost a race waits a little
     for the other to finish its schema before looking again (retrying at once loses again)."""
-    for attempt in range(attempts):
-        try:
-            Base.metadata.create_all(store.engine)
-            _add_new_columns(store)
-            return
-        except OperationalError as exc:
-            raced = any(text_ in str(exc) for text_ in ("already exists", "duplicate column", LOCKED))
-            if not raced or attempt == attempts - 1:
-                raise
-            time.sleep(0.05 * (attempt + 1))
+    def create() -> None:
+        Base.metadata.create_all(store.engine)
+        _add_new_columns(store)
+
+    _retry(create, ("already exists", "duplicate column", LOCKED))
 
 
 # SQLite answers this at once, without waiting out busy_timeout, when a transaction that read
@@ -149,12 +144,14 @@ def _create_tables(store: Store, attempts: int = 8) -> None:
 LOCKED = "database is locked"
 
 
-def _when_unlocked(fn: Callable[[], T], attempts: int = 8) -> T:
+def _retry(fn: Callable[[], T], transient: tuple[str, ...], attempts: int = 8) -> T:
+    """fn(), tried again after a growing pause while it fails with an OperationalError whose
+    message holds one of `transient` (another process's schema work in flight)."""
     for attempt in range(attempts - 1):
         try:
             return fn()
         except OperationalError as exc:
-            if LOCKED not in str(exc):
+            if not any(text_ in str(exc) for text_ in transient):
                 raise
             time.sleep(0.05 * (attempt + 1))
     return fn()

@@ -90,12 +90,16 @@ def decode_step_floor_s(config: ModelConfig, weight_element_size: int, kv_elemen
     return read_bytes / ceilings.copy_bytes_per_s
 
 
+def prefill_attention_flops(config: ModelConfig, tokens: int) -> float:
+    """Matmul FLOPs of a cold prefill's causal attention: QK^T and PV over half the square."""
+    return 2 * 2 * config.num_layers * config.num_heads * config.head_dim * tokens * tokens / 2
+
+
 def prefill_flops(config: ModelConfig, tokens: int) -> float:
     """Matmul FLOPs of a cold prefill of `tokens` tokens: the blocks for every token, causal
-    attention (QK^T and PV, half the square), and the LM head for the last token only."""
+    attention, and the LM head for the last token only."""
     linear = 2 * _body_params(config) * tokens + 2 * config.vocab_size * config.hidden_size
-    attn = 2 * 2 * config.num_layers * config.num_heads * config.head_dim * tokens * tokens / 2
-    return linear + attn
+    return linear + prefill_attention_flops(config, tokens)
 
 
 def prefill_floor_s(config: ModelConfig, tokens: int, ceilings: Ceilings) -> float:
