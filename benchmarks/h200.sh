@@ -15,7 +15,7 @@
 #   prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV: a call of its own);
 #   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV, and at batch 1 (bf16);
 #   prefill-profile is benchmarks/prefill_profile.py (a cold 32K and 131K prefill by part against its floor,
-#   bf16 KV; 131K with fp8 KV on dummy:llama3-8b-1m); prefill-ref is
+#   bf16 KV at each step budget of PROFILE_MNBT; 131K with fp8 KV on dummy:llama3-8b-1m); prefill-ref is
 #   cold prefill at 2K and 8K beside transformers (sdpa, eager) in one call, without the throughput runs;
 #   lab is `lab calibrate ladders/h200.yaml --boots 3` (the control's boot-to-boot noise), then
 #   `lab run ladders/h200.yaml` end to end (warm-up boot, control, five arms, control), then `lab ls`,
@@ -182,8 +182,10 @@ run_stage() {
             timeout 100 python3 benchmarks/step_profile.py;
             timeout 100 python3 benchmarks/step_profile.py --requests 1 --prompt-tokens 128 --decode-before 64 \
               --steps 64; } > "$OUT/step_profile.txt" 2>&1 ;;
-    prefill-profile) { timeout 150 python3 benchmarks/prefill_profile.py --lengths 32768,131000 \
-                         --json "$OUT/prefill_profile_bf16.json";
+    prefill-profile) # PROFILE_MNBT: the step budgets of the bf16 runs (a lone long prompt in larger chunks)
+         { for b in ${PROFILE_MNBT:-8192 32768}; do
+             timeout 150 python3 benchmarks/prefill_profile.py --lengths 32768,131000 --max-num-batched-tokens "$b" \
+               --json "$OUT/prefill_profile_bf16_$b.json"; done
             timeout 150 python3 benchmarks/prefill_profile.py --model dummy:llama3-8b-1m --kv-cache-dtype fp8 \
               --lengths 131000 --json "$OUT/prefill_profile_fp8.json"; } > "$OUT/prefill_profile.txt" 2>&1 ;;
     lab) run=h200-$commit
