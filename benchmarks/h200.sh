@@ -11,7 +11,8 @@
 #   the GPU attention tests; prefill-long is cold prefill at 8K, 32K and 131K alone;
 #   long and 1m run ladders/h200-long.yaml and ladders/h200-1m.yaml a call at a time (resumed from the
 #   store carried in .cache/long/); long-cal calibrates ladders/h200-long.yaml into that store (3 boots);
-#   prefill-ref-long is cold prefill at 32K, 64K and 131K beside transformers (sdpa, logits of the last position); prefill-1m is one cold
+#   prefill-ref-long is cold prefill at 32K, 64K and 131K beside transformers (sdpa, logits of the last position), a lone
+#   prompt's steps LONE tokens (32768; 8192 is the plain budget); prefill-1m is one cold
 #   prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV: a call of its own);
 #   profile is the per-kernel time of a decode step at 256 requests, fp8 and bf16 KV, and at batch 1 (bf16);
 #   prefill-profile is benchmarks/prefill_profile.py (a cold 32K and 131K prefill by part against its floor,
@@ -170,7 +171,7 @@ run_stage() {
             --concurrency 32 --repeats 1 --reference none --throughput "" --json "$OUT/prefill_long.json" \
             > "$OUT/prefill_long.txt" 2>&1 ;;
     prefill-ref-long) timeout 300 python3 -m lab.engine bench "${big[@]}" --prefill-lengths 32768,65536,131000 \
-            --concurrency 32 --repeats 1 --reference-prefill-max 131072 --throughput "" \
+            --lone-prefill-tokens "${LONE:-32768}" --concurrency 32 --repeats 1 --reference-prefill-max 131072 --throughput "" \
             --json "$OUT/prefill_ref_long.json" > "$OUT/prefill_ref_long.txt" 2>&1 ;;
     prefill-1m) timeout 590 python3 -m lab.engine bench --model dummy:llama3-8b-1m --dtype bfloat16 \
             --kv-cache-dtype fp8 --max-model-len 1052672 --kv-cache-memory-bytes 72000000000 --max-num-batched-tokens 8192 --max-num-seqs 8 \

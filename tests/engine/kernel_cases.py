@@ -261,6 +261,36 @@ def check_silu_and_mul(num_tokens: int, inter: int, dtype: str = "float32", seed
     }
 
 
+def check_attention_merge(length: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: str = "float32",
+                          seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+    """kernels.attention_merge.merge_into against chunk_attention.merge, on the layouts the chunk's
+    attention produces (the prefix part folded [KVH, G * L, D], the chunk part a head-major view of
+    token-major memory, log-sum-exps a few units apart), written into rows 3 .. 3 + L of a
+    NaN-poisoned [L + 5, H, D] output as a step writes its slice."""
+    from lab.engine.kernels.attention_merge import merge_into
+    from lab.engine.model.chunk_attention import merge
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    group = num_heads // num_kv_heads
+    prefix_out = _randn(gen, num_kv_heads, group * length, head_dim).to(_dtype(dtype))
+    prefix_lse = 4 * _randn(gen, num_kv_heads, group * length)
+    chunk_out = _randn(gen, length, num_heads, head_dim).to(_dtype(dtype)).transpose(0, 1)
+    chunk_lse = 4 * _randn(gen, num_heads, length)
+    ref = merge(prefix_out.view(num_kv_heads, group, length, head_dim).permute(2, 0, 1, 3)
+                .reshape(length, num_heads, head_dim),
+                prefix_lse.view(num_kv_heads, group, length).permute(2, 0, 1).reshape(length, num_heads),
+                chunk_out.transpose(0, 1), chunk_lse.transpose(0, 1)).to(_dtype(dtype))
+    buffer = torch.full((length + 5, num_heads, head_dim), float("nan"), dtype=_dtype(dtype), device=device)
+    got = merge_into(prefix_out, prefix_lse, chunk_out, chunk_lse, buffer[3:3 + length])
+    return {
+        "rel_err": relative_error(got, ref),
+        "mismatch_fraction": (got.float() != ref.float()).float().mean().item(),
+        "all_written": not bool(_isnan(got).any()),
+        "poison_intact": bool(_isnan(buffer[:3]).all() and _isnan(buffer[3 + length:]).all()),
+        "returned_out": got.data_ptr() == buffer[3:].data_ptr(),
+    }
+
+
 def check_rope_kv_write(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: str = "float32",
                         cache_dtype: str | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                         block_size: int = 16, max_positions: int = 4096, seed: int = 0,
@@ -376,7 +406,7 @@ def check_num_splits(shapes: list[list[int]], bounds_for: list[list[int]] = ()) 
 
 
 CHECKS = {f.__name__: f for f in (check_attention, check_padding_rows, check_rms_norm, check_rope_kv_write,
-                                  check_silu_and_mul, check_fp8_pairs, check_num_splits)}
+                                  check_silu_and_mul, check_attention_merge, check_fp8_pairs, check_num_splits)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,6 +43,18 @@ def test_batched_and_chunked(prompts, alone, chunk: int) -> None:
         assert llm.engine.counters.steps > 20 + max(len(llm.encode(p)) for p in prompts) // 64
 
 
+def test_lone_prompts_in_larger_chunks(prompts, alone) -> None:
+    """One prompt at a time with a small step budget and a larger lone-prompt budget: the long
+    prompts go in fewer, larger chunks, and no token changes."""
+    llm = LLM("smollm2-135m", max_num_batched_tokens=16, lone_prefill_tokens=64, enable_prefix_caching=False)
+    got = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+    assert got == alone
+    lengths = [len(llm.encode(p)) for p in prompts]
+    assert max(lengths) > 64
+    # Each prompt's prefill took ceil(n / 64) steps instead of ceil(n / 16), then its 19 decode steps.
+    assert llm.engine.counters.steps == sum(-(-n // 64) + 19 for n in lengths)
+
+
 def test_prefix_caching_off(prompts, alone) -> None:
     got, llm = run(prompts, enable_prefix_caching=False)
     assert got == alone

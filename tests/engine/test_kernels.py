@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.engine.kernel_cases import (InterpreterWorker, check_attention, check_fp8_pairs, check_padding_rows,
-                                       check_rms_norm, check_rope_kv_write, check_silu_and_mul)
+from tests.engine.kernel_cases import (InterpreterWorker, check_attention, check_attention_merge, check_fp8_pairs,
+                                       check_padding_rows, check_rms_norm, check_rope_kv_write, check_silu_and_mul)
 
 # ||out - ref|| / ||ref||. fp32 attention runs IEEE fp32 dots (no tf32), so 1e-4 leaves room only
 # for summation order; bf16 rounds P and the output.
@@ -163,6 +163,34 @@ def test_silu_and_mul_interpreter(interpreter: InterpreterWorker, case: dict[str
     assert_silu_and_mul_ok(interpreter.run("check_silu_and_mul", **case), case["dtype"])
 
 
+def assert_attention_merge_ok(result: dict[str, Any], dtype: str) -> None:
+    assert result["all_written"] and result["poison_intact"] and result["returned_out"], result
+    assert result["rel_err"] < ELEMENTWISE_TOL[dtype], result
+    if dtype != "float32":
+        # The same float32 sums as the reference, rounded once: a Triton exp an ulp apart from
+        # PyTorch's may tip a rounding now and then, never often.
+        assert result["mismatch_fraction"] < 0.01, result
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(length=5, num_heads=8, num_kv_heads=2, head_dim=16, dtype="float32"), id="fp32-gqa"),
+    pytest.param(dict(length=40, num_heads=6, num_kv_heads=2, head_dim=64, dtype="bfloat16"), id="bf16-ragged"),
+    pytest.param(dict(length=33, num_heads=9, num_kv_heads=3, head_dim=96, dtype="float16"), id="fp16-dim96"),
+    pytest.param(dict(length=7, num_heads=4, num_kv_heads=4, head_dim=32, dtype="bfloat16"), id="bf16-mha"),
+])
+def test_attention_merge_interpreter(interpreter: InterpreterWorker, case: dict[str, Any]) -> None:
+    assert_attention_merge_ok(interpreter.run("check_attention_merge", **case), case["dtype"])
+
+
+def test_attention_merge_refuses_shapes_that_do_not_fit() -> None:
+    from lab.engine.kernels.attention_merge import merge_into
+
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        merge_into(torch.zeros(2, 12, 8), torch.zeros(2, 12), torch.zeros(8, 3, 8), torch.zeros(8, 3),
+                   torch.zeros(4, 8, 8))
+
+
 def test_silu_and_mul_rejects_an_odd_width() -> None:
     from lab.engine.kernels.silu_mul import silu_and_mul
 
@@ -288,6 +316,12 @@ def test_rope_kv_write_gpu(compiled_kernels: None, dtype: str, cache: str | None
     result = check_rope_kv_write(4099, 32, 8, 128, dtype, cache_dtype=cache, max_positions=131072, device="cuda",
                                  **scales)
     assert_rope_kv_write_ok(result, dtype, cache is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_attention_merge_gpu(compiled_kernels: None, dtype: str) -> None:
+    assert_attention_merge_ok(check_attention_merge(4099, 32, 8, 128, dtype, device="cuda"), dtype)
 
 
 @pytest.mark.gpu

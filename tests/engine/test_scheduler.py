@@ -101,3 +101,26 @@ def test_prefix_hits_counted_once() -> None:
     advance(sched)
     assert b.num_cached_tokens == 32
     assert (sched.blocks.prefix_queries, sched.blocks.prefix_hits) == (80, 32)
+
+
+def test_lone_prompt_takes_the_larger_budget() -> None:
+    sched = make(max_num_batched_tokens=100, lone_prefill_tokens=300)
+    sched.add(seq(0, 700))
+    assert advance(sched) == [(0, 300)]  # admitted alone
+    assert advance(sched) == [(0, 300)]  # running alone, still prefilling
+    sched.add(seq(1, 50))
+    assert advance(sched) == [(0, 100)]  # someone waits: the step keeps the plain budget
+    assert advance(sched) == [(0, 1), (1, 50)]  # 0's prompt is done: it decodes beside 1's prefill
+
+
+def test_lone_budget_never_applies_beside_a_decode_or_past_the_per_request_cap() -> None:
+    sched = make(max_num_batched_tokens=100, lone_prefill_tokens=400, long_prefill_token_threshold=250)
+    sched.add(seq(0, 30))
+    assert advance(sched) == [(0, 30)]
+    sched.add(seq(1, 900))
+    assert advance(sched) == [(0, 1), (1, 99)]  # a decode runs: plain budget
+    sched.remove(sched.running[0])
+    assert advance(sched) == [(1, 250)]  # alone now, capped per request
+    smaller = make(max_num_batched_tokens=100, lone_prefill_tokens=60)
+    smaller.add(seq(0, 500))
+    assert advance(smaller) == [(0, 100)]  # a lone budget below the plain one changes nothing

@@ -47,6 +47,10 @@ class EngineConfig:
     max_num_seqs: int = _knob(256, "most sequences running at once")
     long_prefill_token_threshold: int = _knob(0, "most prompt tokens one request may prefill in one step (0 = no cap)")
     max_parallel_prefills: int = _knob(0, "most requests prefilling in one step (0 = no cap)")
+    lone_prefill_tokens: int = _knob(0, "token budget of a step whose only work is one prompt's prefill, when above "
+                                     "max_num_batched_tokens: a lone long prompt goes in larger chunks (fewer "
+                                     "passes over its cached prefix), and a request arriving meanwhile waits for "
+                                     "that longer step (0 = off)", hashed_at_default=False)
     enable_prefix_caching: bool = _knob(True, "reuse KV blocks of identical prompt prefixes")
     prefix_cache_retention: int = _knob(-1, "cached blocks kept once no request uses them, LRU (-1 = all that fit)")
     kv_host_tier_bytes: int = _knob(0, "host-memory tier under the prefix cache: bytes of evicted KV blocks kept in "
@@ -175,7 +179,7 @@ def validate(cfg: EngineConfig) -> None:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
     non_negative = ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "long_prefill_token_threshold",
-                    "max_parallel_prefills", "max_waiting", "kv_host_tier_bytes", "kv_file_tier_bytes")
+                    "max_parallel_prefills", "lone_prefill_tokens", "max_waiting", "kv_host_tier_bytes", "kv_file_tier_bytes")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")

@@ -157,7 +157,7 @@ class ModelRunner:
             # Activations of the largest step (the gate|up product dominates, plus its SiLU
             # output and the attention temporaries), the LM head's logits for every decode
             # row, and slack for graphs and the allocator.
-            tokens = cfg.max_num_batched_tokens
+            tokens = max(cfg.max_num_batched_tokens, cfg.lone_prefill_tokens)
             activations = tokens * (3 * mc.intermediate_size + 6 * mc.hidden_size) * elem
             logits = max(cfg.max_num_seqs, 1) * mc.vocab_size * (elem + 4)
             budget = int(total * cfg.gpu_memory_utilization) - used - activations - logits - (2 << 30)

@@ -3,7 +3,9 @@
 Per step the scheduler fills a token budget (`max_num_batched_tokens`) with one token per decoding
 sequence and chunks of prompts. A prompt chunk is capped per request
 (`long_prefill_token_threshold`), the number of prompts advancing in one step is capped
-(`max_parallel_prefills`), and at most `max_num_seqs` sequences hold KV blocks. When blocks run
+(`max_parallel_prefills`), a step whose only work is one prompt may take a larger budget
+(`lone_prefill_tokens`: nobody else is waiting on that step, and a long prompt in fewer chunks
+re-reads its cached prefix fewer times), and at most `max_num_seqs` sequences hold KV blocks. When blocks run
 out, the most recently admitted sequence is preempted: its blocks are freed and it is recomputed
 later (prompt plus the tokens it had generated).
 
@@ -78,6 +80,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self._lone_prompt():
+            budget = max(budget, self.config.lone_prefill_tokens)
         prefills = 0
         scheduled_ids: set[int] = set()
 
@@ -151,6 +155,12 @@ class Scheduler:
         if self.drafter is None or seq.num_pending:
             return []
         return self.drafter.propose(seq, budget - 1)
+
+    def _lone_prompt(self) -> bool:
+        """Whether this step's only possible work is one prompt's prefill (no decode, no other request)."""
+        if len(self.running) + len(self.waiting) != 1:
+            return False
+        return bool(self.waiting) or self.running[0].is_prefill
 
     def _prefill_slot_free(self, prefills: int) -> bool:
         cap = self.config.max_parallel_prefills

@@ -12,12 +12,15 @@ import triton.language as tl
 
 @triton.jit
 def dependent_launch_prologue():
-    """First thing a kernel launched with PDL does: let the next kernel's programs be placed now,
-    then wait until the kernel before this one has finished and its writes are visible. Waiting
+    """First thing a kernel launched with PDL does: wait until the kernel before this one has
+    finished and its writes are visible, then let the next kernel's programs be placed. Waiting
     before any load or store keeps every read-after-write and write-after-read between the two in
-    order; what overlaps is the next launch and its programs' placement with this kernel's tail."""
-    tl.extra.cuda.gdc_launch_dependents()
+    order; what overlaps is the next launch and its programs' placement with this kernel's body.
+    Releasing the next kernel before waiting cascades: it releases the one after it while this one
+    still waits, and so on down the step, until programs that can only wait fill the SMs (measured
+    in reports/BENCHMARKS.md)."""
     tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 def pdl_arguments(pdl: bool) -> dict:

@@ -6,12 +6,15 @@ whole context runs on flash attention with K/V repeated to every query head; spl
 prefix part is a plain dense attention whose query heads fold onto their shared KV head (the
 group's rows stacked, so K/V are read once per KV head and never repeated), and each part can use
 whichever of PyTorch's kernels is fastest for its shape. The parts return their log-sum-exp and
-are merged exactly: out = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2).
+are merged exactly: out = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2), on CUDA in one kernel
+(`lab.engine.kernels.attention_merge`) that writes the step's output in place.
 """
 
 from __future__ import annotations
 
 import torch
+
+from lab.engine.kernels.attention_merge import merge_into
 
 # Which PyTorch kernel each part runs on CUDA: cuDNN's, the fastest on an H200 for both parts at
 # every length measured (benchmarks/attention_prefill.py; figures in reports/BENCHMARKS.md). Any
@@ -45,10 +48,11 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    prefix_backend: str = PREFIX_BACKEND, chunk_backend: str = CHUNK_BACKEND) -> torch.Tensor:
+                    prefix_backend: str = PREFIX_BACKEND, chunk_backend: str = CHUNK_BACKEND,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last len(q) positions of a len(k)-token context, aligned bottom-right
     (as `lab.engine.model.attention.causal_attention`). q: [L, H, D]; k, v: [P + L, KVH, D] contiguous,
-    in q's dtype. Returns [L, H, D]."""
+    in q's dtype. Returns [L, H, D], written into `out` when given."""
     if q.dtype == torch.float32:
         # Flash and cuDNN take only 16-bit inputs.
         prefix_backend = chunk_backend = "efficient"
@@ -58,17 +62,22 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     chunk_q = q.transpose(0, 1).unsqueeze(0)
     chunk_k, chunk_v = (_repeat(x[prefix:], group, chunk_backend).transpose(0, 1).unsqueeze(0) for x in (k, v))
     chunk_out, chunk_lse = attention_lse(chunk_q, chunk_k, chunk_v, causal=True, scale=scale, backend=chunk_backend)
-    chunk_out, chunk_lse = chunk_out[0].transpose(0, 1), chunk_lse[0].transpose(0, 1)
     if prefix == 0:
-        return chunk_out
+        chunk_out = chunk_out[0].transpose(0, 1)
+        return chunk_out if out is None else out.copy_(chunk_out)
     # Row r of KV head h is query head h * group + r // length at token r % length.
     folded_q = q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * length, dim)
     prefix_k, prefix_v = (x[:prefix].transpose(0, 1).unsqueeze(0) for x in (k, v))
     prefix_out, prefix_lse = attention_lse(folded_q, prefix_k, prefix_v, causal=False, scale=scale,
                                            backend=prefix_backend)
+    if q.device.type == "cuda":
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        return merge_into(prefix_out[0], prefix_lse[0], chunk_out[0], chunk_lse[0], out)
     prefix_out = prefix_out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads, dim)
     prefix_lse = prefix_lse.view(kv_heads, group, length).permute(2, 0, 1).reshape(length, heads)
-    return merge(prefix_out, prefix_lse, chunk_out, chunk_lse).to(q.dtype)
+    merged = merge(prefix_out, prefix_lse, chunk_out[0].transpose(0, 1), chunk_lse[0].transpose(0, 1)).to(q.dtype)
+    return merged if out is None else out.copy_(merged)
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,7 @@ class TritonAttention:
                 # (quantised as x / scale, widened times the scale).
                 ki = gather_context(k_cache, meta.block_tables[i], ctx, q.dtype, self.k_scale)
                 vi = gather_context(v_cache, meta.block_tables[i], ctx, q.dtype, self.v_scale)
-            out[start:end] = chunk_attention(q[start:end], ki, vi, scale, *self.chunk_backends)
+            chunk_attention(q[start:end], ki, vi, scale, *self.chunk_backends, out=out[start:end])
             start = end
 
     def _max_decode_context(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
