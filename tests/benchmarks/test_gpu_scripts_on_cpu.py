@@ -57,3 +57,13 @@ def test_prefill_profile_splits_a_chunked_prefill_by_part_beside_its_floors(tmp_
     assert found["parts_s"]["products"] > 0 and found["parts_s"]["attention"] > 0
     assert 0 < found["part_floors_s"]["attention"] < found["part_floors_s"]["products"]
     assert "300 tokens:" in text and "of it" in text
+
+
+def test_step_profile_splits_a_decode_step_by_part_beside_its_compute_aware_floor() -> None:
+    text = run_script("step_profile.py", "--model", "dummy:smollm2-135m", "--device", "cpu", "--dtype", "float32",
+                      "--requests", "3", "--prompt-tokens", "48", "--decode-before", "4", "--steps", "3",
+                      "--max-model-len", "256")
+    assert "3 sequences at" in text and "ms of operators per step (3 steps)" in text
+    floor_line = next(line for line in text.splitlines() if line.startswith("floor at this run's ceilings"))
+    # Both parts ran and each stands beside its own floor.
+    assert "products" in floor_line and "attention" in floor_line and "(measured 0.00x)" not in floor_line
