@@ -63,12 +63,14 @@ def main() -> None:
     # the last one is `decode_before` tokens in.
     params = SamplingParams(max_tokens=args.max_model_len - args.prompt_tokens, temperature=0, ignore_eos=True,
                             detokenize=False)
+    vocab = min(30000, engine.model_config.vocab_size)
     for i in range(args.requests):
-        engine.add_request(f"r{i}", torch.randint(10, min(30000, engine.model_config.vocab_size), (args.prompt_tokens,), generator=gen).tolist(), params)
+        engine.add_request(f"r{i}", torch.randint(10, vocab, (args.prompt_tokens,), generator=gen).tolist(), params)
     for _ in range(10_000):
         engine.step()
         running = engine.scheduler.running
-        if len(running) == args.requests and min(s.num_tokens for s in running) >= args.prompt_tokens + args.decode_before:
+        if (len(running) == args.requests
+                and min(s.num_tokens for s in running) >= args.prompt_tokens + args.decode_before):
             break
     sync()
     context = sum(s.num_tokens for s in engine.scheduler.running) / args.requests

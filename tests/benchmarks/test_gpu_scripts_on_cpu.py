@@ -1,4 +1,4 @@
-"""The scripts the GPU calls run (`benchmarks/h200.sh` stages `mixed-noise` and `tier-restart`),
+"""The scripts the GPU calls run (`benchmarks/h200.sh` stages such as `mixed-noise`, `tier-restart`, `profile`),
 end to end on the CPU with a random-weight model, small: a script that breaks costs a GPU call."""
 
 from __future__ import annotations
@@ -67,3 +67,12 @@ def test_step_profile_splits_a_decode_step_by_part_beside_its_compute_aware_floo
     floor_line = next(line for line in text.splitlines() if line.startswith("floor at this run's ceilings"))
     # Both parts ran and each stands beside its own floor.
     assert "products" in floor_line and "attention" in floor_line and "(measured 0.00x)" not in floor_line
+
+
+def test_attention_shapes_times_a_first_and_a_repeated_call_per_backend_and_shape() -> None:
+    text = run_script("attention_shapes.py", "--device", "cpu", "--dtype", "float32", "--shapes", "37x0,5x40",
+                      "--repeats", "2")
+    rows = [line.split() for line in text.splitlines()[1:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("cudnn", "37", "0"), ("cudnn", "5", "40"),
+                                                  ("flash", "37", "0"), ("flash", "5", "40")]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)

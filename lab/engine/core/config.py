@@ -179,7 +179,8 @@ def validate(cfg: EngineConfig) -> None:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
     non_negative = ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "long_prefill_token_threshold",
-                    "max_parallel_prefills", "lone_prefill_tokens", "max_waiting", "kv_host_tier_bytes", "kv_file_tier_bytes")
+                    "max_parallel_prefills", "lone_prefill_tokens", "max_waiting", "kv_host_tier_bytes",
+                    "kv_file_tier_bytes")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")
