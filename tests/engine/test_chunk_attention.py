@@ -36,6 +36,16 @@ def test_chunk_attention_matches_bottom_right_causal_cpu(shape: tuple[int, ...],
     assert _rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("prefix", [0, 21])
+def test_chunk_attention_writes_into_the_given_rows_only(prefix: int) -> None:
+    q, k, v = _inputs(9, prefix, 8, 2, 16, torch.float32, "cpu")
+    buffer = torch.full((13, 8, 16), float("nan"))
+    got = chunk_attention(q, k, v, 0.25, out=buffer[2:11])
+    assert got.data_ptr() == buffer[2:].data_ptr()
+    torch.testing.assert_close(got, chunk_attention(q, k, v, 0.25), rtol=0, atol=0)
+    assert buffer[:2].isnan().all() and buffer[11:].isnan().all()
+
+
 def test_merge_of_two_halves_is_attention_over_both() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 1, 4, 8, generator=gen) for _ in range(3))
