@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lab.engine.core.config import from_sources
 from lab.engine.core.sampling_params import SamplingParams
-from lab.engine.model.roofline import measure_ceilings, weight_bytes_read_per_step
+from lab.engine.model.roofline import decode_step_part_floors_s, measure_ceilings
 from lab.engine.serve.llm import LLM
 
 # Kernel-name fragments, first match wins: what each part of a step is.
@@ -92,12 +92,10 @@ def main() -> None:
         by_part[part(name)] += us
     for name, us in sorted(by_part.items(), key=lambda x: -x[1]):
         print(f"  {name:14} {us / 1e3:7.3f} ms  {us / total:6.1%}")
-    mc = engine.model_config
-    weights = weight_bytes_read_per_step(mc, 1)  # weights read per step, one byte each: their count
-    products_floor = max(2 * weights / ceilings.copy_bytes_per_s,
-                         2 * weights * args.requests / ceilings.matmul_flops_per_s) * 1e6
-    kv_elem = torch.empty((), dtype=engine.runner.kv_dtype).element_size()
-    attention_floor = mc.kv_bytes_per_token(kv_elem) * context * args.requests / ceilings.copy_bytes_per_s * 1e6
+    floors = decode_step_part_floors_s(engine.model_config, getattr(torch, args.dtype).itemsize,
+                                       engine.runner.kv_dtype.itemsize, args.requests,
+                                       round(context * args.requests), ceilings)
+    products_floor, attention_floor = floors["products"] * 1e6, floors["attention"] * 1e6
     products = by_part.get("matmul", 0.0) + by_part.get("gemv", 0.0)
     floor = products_floor + attention_floor
     print(f"floor at this run's ceilings (copy {ceilings.copy_bytes_per_s / 1e9:,.1f} GB/s, matmul "

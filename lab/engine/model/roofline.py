@@ -90,6 +90,19 @@ def decode_step_floor_s(config: ModelConfig, weight_element_size: int, kv_elemen
     return read_bytes / ceilings.copy_bytes_per_s
 
 
+def decode_step_part_floors_s(config: ModelConfig, weight_element_size: int, kv_element_size: int, rows: int,
+                              context_tokens: int, ceilings: Ceilings) -> dict[str, float]:
+    """The compute-aware floor of a decode step of `rows` sequences, per part: the larger of its
+    bytes at the copy ceiling and its FLOPs at the matmul ceiling. Products read every weight but
+    the embedding table and do 2 FLOPs per weight per row, which at a few hundred rows outweighs
+    their bytes; attention reads the KV of `context_tokens` tokens in all, its FLOPs negligible."""
+    weights = weight_bytes_read_per_step(config, 1)
+    products = max(weights * weight_element_size / ceilings.copy_bytes_per_s,
+                   2 * weights * rows / ceilings.matmul_flops_per_s)
+    attention = config.kv_bytes_per_token(kv_element_size) * context_tokens / ceilings.copy_bytes_per_s
+    return {"products": products, "attention": attention}
+
+
 def prefill_attention_flops(config: ModelConfig, tokens: int) -> float:
     """Matmul FLOPs of a cold prefill's causal attention: QK^T and PV over half the square."""
     return 2 * 2 * config.num_layers * config.num_heads * config.head_dim * tokens * tokens / 2

@@ -439,8 +439,8 @@ def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
     for n, sets in prefill_sets.items():
         # Warm-up at this length, as the reference's: the first call of a shape pays for kernel
         # compiles, allocator growth, lazy module loads and cuDNN's plan for each (chunk, prefix)
-        # shape, which are not prefill speed. Past WARM_FULL_MAX two chunks' worth: those plans
-        # are a few tens of ms in minutes.
+        # shape, which are not prefill speed. Past WARM_FULL_MAX two chunks' worth: a warm-up as
+        # long as the prefill would double minutes of it, beside which those plans are noise.
         engine_prefill_s(llm, prompts(n if n <= WARM_FULL_MAX else min(n, 2 * budget + 1)))
         secs = _median([engine_prefill_s(llm, ids) for ids in sets])
         figures.append(Figure(f"prefill {n} tok", "tok/s", ours=n / secs,
