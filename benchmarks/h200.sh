@@ -185,12 +185,14 @@ run_stage() {
             timeout 100 python3 benchmarks/step_profile.py;
             timeout 100 python3 benchmarks/step_profile.py --requests 1 --prompt-tokens 128 --decode-before 64 \
               --steps 64; } > "$OUT/step_profile.txt" 2>&1 ;;
-    prefill-profile) # PROFILE_MNBT: the step budgets of the bf16 runs (a lone long prompt in larger chunks)
+    prefill-profile) # PROFILE_MNBT: the step budgets of the bf16 runs (a lone long prompt in larger chunks),
+         # PROFILE_LENGTHS their prompt lengths; PROFILE_FP8=0 leaves out the fp8 131K run
          { for b in ${PROFILE_MNBT:-8192 32768}; do
-             timeout 150 python3 benchmarks/prefill_profile.py --lengths 32768,131000 --max-num-batched-tokens "$b" \
-               --json "$OUT/prefill_profile_bf16_$b.json"; done
-            timeout 150 python3 benchmarks/prefill_profile.py --model dummy:llama3-8b-1m --kv-cache-dtype fp8 \
-              --lengths 131000 --json "$OUT/prefill_profile_fp8.json"; } > "$OUT/prefill_profile.txt" 2>&1 ;;
+             timeout 150 python3 benchmarks/prefill_profile.py --lengths "${PROFILE_LENGTHS:-32768,131000}" \
+               --max-num-batched-tokens "$b" --json "$OUT/prefill_profile_bf16_$b.json"; done
+           if [ "${PROFILE_FP8:-1}" = 1 ]; then
+             timeout 150 python3 benchmarks/prefill_profile.py --model dummy:llama3-8b-1m --kv-cache-dtype fp8 \
+               --lengths 131000 --json "$OUT/prefill_profile_fp8.json"; fi; } > "$OUT/prefill_profile.txt" 2>&1 ;;
     lab) run=h200-$commit
          # power, temperature and clocks once a second, to set beside each boot's figures
          nvidia-smi dmon -s pc -d 1 -o DT > "$OUT/lab-dmon.txt" 2>&1 &

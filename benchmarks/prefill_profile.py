@@ -53,6 +53,32 @@ def prefill_once(engine, tokens: list[int], request_id: str) -> float:
     return time.perf_counter() - start
 
 
+def idle_gaps(events, profiled_s: float, largest: int = 8) -> dict:
+    """Where the GPU waited during a profiled prefill: the time before its first kernel (host
+    preparation), the sum of gaps between kernels, and the `largest` gaps (ms) each with the
+    longest host operators that started inside it, which say what the GPU waited for."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == torch.autograd.DeviceType.CPU]
+    if not kernels:
+        return {"idle_s": profiled_s, "lead_s": profiled_s, "between_s": 0.0, "largest": []}
+    first = min(start for start, _, _ in host) if host else kernels[0][0]
+    gaps, busy_until = [], kernels[0][1]
+    for start, end in kernels[1:]:
+        if start > busy_until:
+            gaps.append((busy_until, start))
+        busy_until = max(busy_until, end)
+    lead_s = max(0.0, (kernels[0][0] - first) * 1e-6)
+    between_s = sum(b - a for a, b in gaps) * 1e-6
+    top = []
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:largest]:
+        inside = sorted((h for h in host if a <= h[0] < b), key=lambda h: h[0] - h[1])[:3]
+        top.append(((b - a) * 1e-3, ", ".join(f"{name} {(end - start) * 1e-3:.2f} ms" for start, end, name in inside)))
+    busy_s = (busy_until - kernels[0][0]) * 1e-6 - between_s
+    return {"idle_s": max(0.0, profiled_s - busy_s), "lead_s": lead_s, "between_s": between_s, "largest": top}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dummy:llama3-8b")
@@ -81,9 +107,11 @@ def main() -> None:
         tokens = torch.randint(10, min(30000, mc.vocab_size), (n,), generator=gen).tolist()
         prefill_once(engine, tokens[:256], f"warm-{n}")  # kernels chosen and compiled outside the timings
         seconds = prefill_once(engine, tokens, f"timed-{n}")
-        activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-        with profile(activities=[activity]) as prof:
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            began = time.perf_counter()
             prefill_once(engine, tokens, f"profiled-{n}")
+            profiled_s = time.perf_counter() - began
         per_name: dict[str, float] = collections.defaultdict(float)
         for event in prof.events():
             if cuda and event.device_type == torch.autograd.DeviceType.CUDA:
@@ -105,6 +133,13 @@ def main() -> None:
             floor = floors.get(name)
             beside = f"  floor {floor:6.2f} s ({floor / secs:.0%} of it)" if floor else ""
             print(f"  {name:14} {secs:7.2f} s {secs / total:6.1%}{beside}")
+        if cuda:
+            idle = idle_gaps(prof.events(), profiled_s)
+            print(f"  GPU idle {idle['idle_s'] * 1e3:.1f} ms of the profiled {profiled_s:.3f} s "
+                  f"(before the first kernel {idle['lead_s'] * 1e3:.1f} ms, between kernels {idle['between_s'] * 1e3:.1f} ms); "
+                  "largest gaps, with the host operators that ran in them:")
+            for gap_ms, ops in idle["largest"]:
+                print(f"    {gap_ms:7.2f} ms  {ops}")
         print("  top kernels:" if cuda else "  top operators:")
         for name, secs in sorted(per_name.items(), key=lambda x: -x[1])[:12]:
             print(f"    {secs:7.3f} s  {name[:110]}")

@@ -76,3 +76,26 @@ def test_attention_shapes_times_a_first_and_a_repeated_call_per_backend_and_shap
     assert [(r[0], r[1], r[2]) for r in rows] == [("cudnn", "37", "0"), ("cudnn", "5", "40"),
                                                   ("flash", "37", "0"), ("flash", "5", "40")]
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
+
+
+def test_prefill_profile_finds_where_the_gpu_waited() -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("prefill_profile", Path("benchmarks/prefill_profile.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def event(kind: str, start_us: float, end_us: float, name: str) -> SimpleNamespace:
+        device = torch.autograd.DeviceType.CUDA if kind == "gpu" else torch.autograd.DeviceType.CPU
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start_us, end=end_us), name=name)
+
+    # The host prepares for 2 ms, then two kernels with a 3 ms wait on a host copy between them.
+    events = [event("cpu", 0, 2_000, "prepare"), event("gpu", 2_000, 10_000, "gemm"),
+              event("cpu", 10_500, 12_500, "aten::copy_"), event("gpu", 13_000, 20_000, "attention")]
+    found = module.idle_gaps(events, profiled_s=0.021)
+    assert abs(found["lead_s"] - 0.002) < 1e-9 and abs(found["between_s"] - 0.003) < 1e-9
+    assert abs(found["idle_s"] - 0.006) < 1e-9  # 21 ms profiled, 15 ms of kernels
+    assert found["largest"] == [(3.0, "aten::copy_ 2.00 ms")]
