@@ -9,7 +9,8 @@
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
 #   attn-prefill is benchmarks/attention_prefill.py (PyTorch's attention kernels on long-prefill shapes) and
 #   the GPU attention tests; attn-shapes is benchmarks/attention_shapes.py (a chunk's attention at a shape seen
-#   for the first time and again, cuDNN and flash); prefill-long is cold prefill at 8K, 32K and 131K alone;
+#   for the first time and again, cuDNN and flash); new-shapes is benchmarks/new_shape_ttft.py (time to first
+#   token of chats, chat turns and long prompts at new lengths, then again, per --prefill-attention); prefill-long is cold prefill at 8K, 32K and 131K alone;
 #   long and 1m run ladders/h200-long.yaml and ladders/h200-1m.yaml a call at a time (resumed from the
 #   store carried in .cache/long/); long-cal calibrates ladders/h200-long.yaml into that store (3 boots);
 #   prefill-ref-long is cold prefill at 32K, 64K and 131K beside transformers (sdpa, logits of the last position), a lone
@@ -166,6 +167,8 @@ run_stage() {
             timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
     attn-shapes) timeout 150 python3 benchmarks/attention_shapes.py > "$OUT/attention_shapes.txt" 2>&1 ;;
+    new-shapes) timeout 300 python3 benchmarks/new_shape_ttft.py --json "$OUT/new_shape_ttft.json" \
+            > "$OUT/new_shape_ttft.txt" 2>&1 ;;
     attn-prefill) { timeout 240 python3 benchmarks/attention_prefill.py;
             timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_chunk_attention.py \
               tests/engine/test_kernels.py -k "attention or prefill"; } > "$OUT/attention_prefill.txt" 2>&1 ;;

@@ -99,3 +99,16 @@ def test_prefill_profile_finds_where_the_gpu_waited() -> None:
     assert abs(found["lead_s"] - 0.002) < 1e-9 and abs(found["between_s"] - 0.003) < 1e-9
     assert abs(found["idle_s"] - 0.006) < 1e-9  # 21 ms profiled, 15 ms of kernels
     assert found["largest"] == [(3.0, "aten::copy_ 2.00 ms")]
+
+
+def test_new_shape_ttft_times_each_kind_of_prompt_twice(tmp_path: Path) -> None:
+    out = tmp_path / "ttft.json"
+    text = run_script("new_shape_ttft.py", "--model", "dummy:smollm2-135m", "--device", "cpu", "--dtype", "float32",
+                      "--modes", "auto", "--chat-lengths", "40,70", "--history", "96", "--turn-lengths", "20,30",
+                      "--long-lengths", "300", "--max-num-batched-tokens", "128", "--json", str(out))
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["setting"] == "auto"
+    for kind, count in (("chat", 2), ("turn", 2), ("long", 1)):
+        assert len(row["kinds"][kind]["first"]) == len(row["kinds"][kind]["again"]) == count
+        assert all(s > 0 for s in row["kinds"][kind]["first"] + row["kinds"][kind]["again"])
+    assert "first - again" in text and "auto     turn" in text

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lab.engine.model.attention import causal_attention
-from lab.engine.model.chunk_attention import chunk_attention, merge
+from lab.engine.model.chunk_attention import PrefillKernels, chunk_attention, merge
 
 # (chunk length, prefix length, query heads, KV heads, head dim)
 SHAPES = [(5, 0, 4, 4, 16), (7, 13, 8, 2, 16), (33, 100, 6, 2, 64), (1, 50, 9, 3, 64), (64, 64, 32, 8, 128)]
@@ -64,7 +64,7 @@ def test_merge_of_two_halves_is_attention_over_both() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backends", [("flash", "flash"), ("cudnn", "cudnn"), ("efficient", "efficient"),
-                                      ("cudnn", "flash")])
+                                      ("cudnn", "flash"), ("flash", "cudnn")])
 @pytest.mark.parametrize("shape", [(2048, 30720, 32, 8, 128), (8192, 8192, 32, 8, 128), (700, 1300, 9, 3, 64),
                                    (512, 0, 32, 8, 128)])
 def test_chunk_attention_gpu_backends(backends: tuple[str, str], shape: tuple[int, ...]) -> None:
@@ -74,3 +74,44 @@ def test_chunk_attention_gpu_backends(backends: tuple[str, str], shape: tuple[in
     out = chunk_attention(q, k, v, shape[-1] ** -0.5, prefix_backend=backends[0], chunk_backend=backends[1])
     ref = causal_attention(q.float(), k.float(), v.float(), shape[-1] ** -0.5)
     assert _rel_err(out, ref) < 1e-2
+
+
+# Llama-3-8B: 32 layers, 32 query heads of 128.
+LLAMA = dict(heads=32, head_dim=128)
+
+
+def test_auto_keeps_chat_sized_prompts_off_cudnn_whose_plan_costs_more_than_it_saves() -> None:
+    kernels = PrefillKernels("auto", num_layers=32, recurring_lengths=frozenset({8192}))
+    # A chat, a chat turn over a history, a tool output over a long session: a new shape each time.
+    assert kernels.for_chunk(60, 0, **LLAMA) == ("flash", "flash")
+    assert kernels.for_chunk(500, 2000, **LLAMA) == ("flash", "flash")
+    assert kernels.for_chunk(2000, 6000, **LLAMA) == ("flash", "flash")
+
+
+def test_auto_takes_cudnn_where_one_use_pays_for_the_plan_part_by_part() -> None:
+    kernels = PrefillKernels("auto", num_layers=32, recurring_lengths=frozenset({8192}))
+    # 4,000 tokens over 100K: the prefix part is worth a plan, the small causal part is not.
+    assert kernels.for_chunk(4000, 100_000, **LLAMA) == ("cudnn", "flash")
+    # A lone 32K prompt in one step: its causal part alone saves more than a plan.
+    assert kernels.for_chunk(32_768, 0, **LLAMA) == ("flash", "cudnn")
+    # The same attention in a 2-layer model saves too little.
+    assert PrefillKernels("auto", num_layers=2).for_chunk(4000, 100_000, **LLAMA) == ("flash", "flash")
+
+
+def test_auto_takes_cudnn_for_the_shapes_every_long_prompt_repeats() -> None:
+    kernels = PrefillKernels("auto", num_layers=32, recurring_lengths=frozenset({8192}))
+    # Whole 8,192-token chunks over whole chunks: built once, reused by every long prompt.
+    assert kernels.for_chunk(8192, 0, **LLAMA)[1] == "cudnn"
+    assert kernels.for_chunk(8192, 3 * 8192, **LLAMA) == ("cudnn", "cudnn")
+    # A chunk of the budget over a prefix that is not whole chunks (a request shifted its
+    # boundaries), too short to pay for its own plan.
+    assert kernels.for_chunk(8192, 1000, **LLAMA) == ("flash", "cudnn")
+    # The same chunk under a budget of 4,096 is a one-off: flash for its causal part.
+    assert PrefillKernels("auto", 32, frozenset({4096})).for_chunk(8192, 0, **LLAMA)[1] == "flash"
+
+
+@pytest.mark.parametrize("mode", ["cudnn", "flash"])
+def test_a_fixed_kernel_serves_every_shape(mode: str) -> None:
+    kernels = PrefillKernels(mode, num_layers=32, recurring_lengths=frozenset({8192}))
+    for shape in [(60, 0), (8192, 8192), (32_768, 0), (4000, 100_000)]:
+        assert kernels.for_chunk(*shape, **LLAMA) == (mode, mode)

@@ -85,9 +85,17 @@ def test_programmatic_dependent_launch_on_the_cpu_is_refused_in_one_line() -> No
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_a_prefill_attention_kernel_on_the_cpu_is_refused_in_one_line(kernel: str) -> None:
+    with pytest.raises(ConfigError, match=f"--prefill-attention {kernel} needs --attention-backend triton") as err:
+        LLM("smollm2-135m", device="cpu", prefill_attention=kernel)
+    assert "\n" not in str(err.value)
+
+
 def test_a_knob_added_later_leaves_existing_config_hashes_unchanged() -> None:
     """Stored runs resume only when their arms' hashes are re-derived, and nightly series are
     keyed by the control's hash: these two were computed before the `pdl` knob existed."""
     assert EngineConfig().hash == "4922fd059c13b7a9"
     assert EngineConfig(model="dummy:llama3-8b-1m", kv_cache_dtype="fp8").hash == "6fb57256967e0d22"
     assert EngineConfig(pdl=True).hash != EngineConfig().hash
+    assert EngineConfig(prefill_attention="cudnn").hash != EngineConfig().hash

@@ -68,6 +68,12 @@ class EngineConfig:
                                    ("auto", "torch", "triton"))
     gemv_backend: str = _knob("auto", "matrix products of decode steps (at most 16 rows): auto = the Triton "
                               "skinny kernels when attention is triton, torch = cuBLAS", ("auto", "triton", "torch"))
+    prefill_attention: str = _knob("auto", "PyTorch kernel for the attention of prefill chunks on CUDA (steps with "
+                                   "a few prompts): cudnn is the fastest once running but builds a plan for every "
+                                   "new query/key length, flash has nothing to build; auto = cudnn where the shape "
+                                   "recurs (chunks of a whole step budget) or one use saves more than its plan "
+                                   "costs, flash otherwise (chat-sized prompts)", ("auto", "cudnn", "flash"),
+                                   hashed_at_default=False)
     pdl: bool = _knob(False, "launch decode steps' Triton kernels (skinny products, decode attention) with "
                       "programmatic dependent launch, overlapping each launch with the previous kernel's tail "
                       "(CUDA, sm_90 and newer; needs the triton backends)", hashed_at_default=False)

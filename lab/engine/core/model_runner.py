@@ -44,8 +44,8 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
     return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype
 
 
-def make_backends(config: EngineConfig, device: torch.device,
-                  max_model_len: int | None = None) -> tuple[AttentionBackend, Ops]:
+def make_backends(config: EngineConfig, device: torch.device, max_model_len: int | None = None,
+                  num_layers: int = 1) -> tuple[AttentionBackend, Ops]:
     choice = config.attention_backend
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "torch"
@@ -54,15 +54,22 @@ def make_backends(config: EngineConfig, device: torch.device,
     if config.pdl and (choice != "triton" or device.type != "cuda"
                        or torch.cuda.get_device_capability(device) < (9, 0)):
         raise ConfigError("--pdl needs --attention-backend triton on a CUDA GPU of compute capability 9.0 or newer")
+    if config.prefill_attention != "auto" and (choice != "triton" or device.type != "cuda"):
+        raise ConfigError(f"--prefill-attention {config.prefill_attention} needs --attention-backend triton on "
+                          "--device cuda (the CPU path has one attention kernel)")
     if choice == "torch":
         return TorchAttention(), Ops()
     if device.type != "cuda":
         raise ConfigError("--attention-backend triton needs --device cuda (use torch on the CPU)")
     from lab.engine.kernels import gemv, rmsnorm, silu_mul
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
+    from lab.engine.model.chunk_attention import PrefillKernels
     from lab.engine.model.triton_attention import TritonAttention
 
-    attention = TritonAttention(max_model_len=max_model_len, pdl=config.pdl)
+    budgets = (config.max_num_batched_tokens, config.lone_prefill_tokens, config.long_prefill_token_threshold)
+    kernels = PrefillKernels(config.prefill_attention, num_layers,
+                             frozenset(b for b in budgets if b > 0))
+    attention = TritonAttention(max_model_len=max_model_len, pdl=config.pdl, prefill_kernels=kernels)
 
     def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +108,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids)  # masked before a request's min_tokens
-        self.attention, ops = make_backends(config, device, max_model_len)
+        self.attention, ops = make_backends(config, device, max_model_len, loaded.config.num_layers)
         self.model = Model(loaded.config, loaded.weights, self.attention, max_positions=max_model_len, ops=ops,
                            cpu_products=config.cpu_products)
         self.kv_dtype = kv_cache_dtype(config, dtype)

@@ -12,15 +12,50 @@ are merged exactly: out = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2), on CUDA i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lab.engine.kernels.attention_merge import merge_into
 
-# Which PyTorch kernel each part runs on CUDA: cuDNN's, the fastest on an H200 for both parts at
-# every length measured (benchmarks/attention_prefill.py; figures in reports/BENCHMARKS.md). Any
-# of "flash", "cudnn", "efficient" gives the same numbers to rounding.
-PREFIX_BACKEND = "cudnn"
-CHUNK_BACKEND = "cudnn"
+# PyTorch's kernels for the two parts on CUDA. Once running, cuDNN's is the fastest at every
+# length measured on an H200, but PyTorch builds (and caches) a cuDNN plan for every new (query
+# length, key length), which costs more than a chat-sized attention itself; flash attention has
+# no plan. Their rates over the FLOPs the mask keeps at long shapes, and the cost of one plan, on
+# an H200 (benchmarks/attention_prefill.py, benchmarks/attention_shapes.py; figures in
+# reports/BENCHMARKS.md). Any of "flash", "cudnn", "efficient" gives the same numbers to rounding.
+FLASH_FLOPS_PER_S = 330e12
+CUDNN_FLOPS_PER_S = 590e12
+CUDNN_PLAN_S = 0.045
+KERNELS = ("auto", "cudnn", "flash")
+
+
+@dataclass(frozen=True)
+class PrefillKernels:
+    """Which PyTorch kernel runs each part of a chunk's attention on CUDA. `mode` "cudnn" or
+    "flash" fixes it; "auto" takes cuDNN for a part whose shape recurs (a chunk of exactly one of
+    `recurring_lengths`, the step budgets, over a prefix of whole such chunks: every long prompt
+    repeats those shapes, so their plans are built once) or whose one use, over `num_layers`
+    layers, saves more than a plan costs; flash otherwise. The choice depends on the shape and
+    the configuration only, never on what ran before, so one request computes the same numbers
+    whatever preceded it."""
+
+    mode: str = "auto"
+    num_layers: int = 1
+    recurring_lengths: frozenset[int] = frozenset()
+
+    def for_chunk(self, length: int, prefix: int, heads: int, head_dim: int) -> tuple[str, str]:
+        """(kernel of the prefix part, kernel of the causal part) for `length` new tokens after
+        `prefix` cached ones, `heads` query heads of `head_dim`."""
+        if self.mode != "auto":
+            return self.mode, self.mode
+        recurring = length in self.recurring_lengths
+        prefix_kernel = self._pick(recurring and prefix % length == 0, 4 * heads * head_dim * length * prefix)
+        return prefix_kernel, self._pick(recurring, 2 * heads * head_dim * length * length)
+
+    def _pick(self, recurring: bool, flops: float) -> str:
+        saved_s = self.num_layers * flops * (1 / FLASH_FLOPS_PER_S - 1 / CUDNN_FLOPS_PER_S)
+        return "cudnn" if recurring or saved_s >= CUDNN_PLAN_S else "flash"
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
@@ -48,7 +83,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    prefix_backend: str = PREFIX_BACKEND, chunk_backend: str = CHUNK_BACKEND,
+                    prefix_backend: str = "cudnn", chunk_backend: str = "cudnn",
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last len(q) positions of a len(k)-token context, aligned bottom-right
     (as `lab.engine.model.attention.causal_attention`). q: [L, H, D]; k, v: [P + L, KVH, D] contiguous,

@@ -3,6 +3,7 @@ the PyTorch reference (`lab.engine.model.attention.TorchAttention`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from bisect import bisect_left
 
@@ -15,7 +16,7 @@ from lab.engine.kernels.decode_attention import (MAX_SPLITS, decode_attention, n
 from lab.engine.kernels.kv_write import write_kv_cache
 from lab.engine.kernels.prefill_attention import prefill_attention
 from lab.engine.model.attention import gather_context
-from lab.engine.model.chunk_attention import CHUNK_BACKEND, PREFIX_BACKEND, chunk_attention
+from lab.engine.model.chunk_attention import PrefillKernels, chunk_attention
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,8 @@ class TritonAttention:
     name = "triton"
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
-                 max_model_len: int | None = None, pdl: bool = False) -> None:
+                 max_model_len: int | None = None, pdl: bool = False,
+                 prefill_kernels: PrefillKernels = PrefillKernels()) -> None:
         self.k_scale = k_scale
         self.v_scale = v_scale
         # None: chosen per step from the decode batch and its longest context.
@@ -43,9 +45,9 @@ class TritonAttention:
         # without, so turning graphs off changes no token.
         self.max_model_len = max_model_len
         self._bounds: dict[int, list[int]] = {}
-        # PyTorch's kernels for a prefill chunk's prefix and its own tokens (warm_up falls back to
-        # flash attention where this build's cuDNN cannot run them).
-        self.chunk_backends = (PREFIX_BACKEND, CHUNK_BACKEND)
+        # Which of PyTorch's kernels attend a prefill chunk's prefix and its own tokens (warm_up
+        # falls back to flash attention where this build's cuDNN cannot run them).
+        self.prefill_kernels = prefill_kernels
         # Decode attention launched with programmatic dependent launch (engine knob `pdl`).
         self.pdl = pdl
 
@@ -98,13 +100,17 @@ class TritonAttention:
         starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
         prefill_attention(q, k_cache, v_cache, table, starts, context, 1.0, out, first_seq=1, num_seqs=1,
                           max_query_len=1, k_scale=self.k_scale, v_scale=self.v_scale)
-        try:
-            chunk_attention(q, qkv[:, num_heads:num_heads + kv_heads].contiguous().repeat(2, 1, 1),
-                            qkv[:, num_heads + kv_heads:].contiguous().repeat(2, 1, 1), 1.0, *self.chunk_backends)
-        except RuntimeError as exc:
-            logger.warning("prefill attention: %s kernels cannot run here (%s); using flash attention",
-                           "/".join(self.chunk_backends), str(exc).splitlines()[0])
-            self.chunk_backends = ("flash", "flash")
+        kernels = ("flash",) if self.prefill_kernels.mode == "flash" else ("flash", "cudnn")
+        for kernel in kernels:
+            try:
+                chunk_attention(q, qkv[:, num_heads:num_heads + kv_heads].contiguous().repeat(2, 1, 1),
+                                qkv[:, num_heads + kv_heads:].contiguous().repeat(2, 1, 1), 1.0, kernel, kernel)
+            except RuntimeError as exc:
+                if kernel == "flash":
+                    raise
+                logger.warning("prefill attention: cuDNN's kernels cannot run here (%s); using flash attention",
+                               str(exc).splitlines()[0])
+                self.prefill_kernels = dataclasses.replace(self.prefill_kernels, mode="flash")
         torch.cuda.synchronize(device)
 
     def context_bounds(self, batch: int, k_cache: torch.Tensor, max_model_len: int) -> list[int]:
@@ -133,7 +139,8 @@ class TritonAttention:
                 # (quantised as x / scale, widened times the scale).
                 ki = gather_context(k_cache, meta.block_tables[i], ctx, q.dtype, self.k_scale)
                 vi = gather_context(v_cache, meta.block_tables[i], ctx, q.dtype, self.v_scale)
-            chunk_attention(q[start:end], ki, vi, scale, *self.chunk_backends, out=out[start:end])
+            kernels = self.prefill_kernels.for_chunk(qlen, ctx - qlen, q.shape[1], q.shape[2])
+            chunk_attention(q[start:end], ki, vi, scale, *kernels, out=out[start:end])
             start = end
 
     def _max_decode_context(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:

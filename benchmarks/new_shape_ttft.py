@@ -1,0 +1,114 @@
+"""Time to first token of prompts at attention shapes the engine has not seen, by the kernel that
+attends prefill chunks (`--prefill-attention`).
+
+PyTorch builds a cuDNN plan for every new (query length, key length) and caches it; flash
+attention has nothing to build. A server meets new shapes all the time. Per kernel setting, one
+engine is booted and three kinds of prompt are sent one at a time, each twice: first at lengths
+never seen ("first"), then at the same lengths with fresh tokens ("again": any plan is cached,
+the prefix cache has nothing of the new tokens, so the same work is recomputed):
+
+    chat   fresh prompts of --chat-lengths tokens, nothing cached
+    turn   --turn-lengths new tokens after a cached --history-token history (sent once, first)
+    long   fresh prompts of --long-lengths tokens, in chunks of the step budget
+
+Prints, per setting and kind, the median time to first token of each pass and their difference
+(what a new shape cost), and writes them with every request's time to --json.
+
+    python benchmarks/new_shape_ttft.py                                  # dummy:llama3-8b on CUDA
+    python benchmarks/new_shape_ttft.py --model dummy:smollm2-135m --device cpu --dtype float32 \\
+        --modes auto --chat-lengths 40,70 --history 96 --turn-lengths 20,30 --long-lengths 300 \\
+        --max-num-batched-tokens 128                                     # a check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lab.engine.core.config import from_sources
+from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.serve.llm import LLM
+from lab.engine.tools.bench import PromptSource
+
+
+def ttft_s(engine, ids: list[int], request_id: str) -> float:
+    """Seconds from adding the prompt to its first token, the device idle before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    engine.add_request(request_id, ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                                       detokenize=False))
+    while engine.has_unfinished():
+        engine.step()
+    sync()
+    return time.perf_counter() - start
+
+
+def ints(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dummy:llama3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--modes", default="cudnn,flash,auto", help="--prefill-attention settings, one engine each")
+    parser.add_argument("--chat-lengths", default="97,211,389,602,877,1190,1533,2011,2466,3001")
+    parser.add_argument("--history", type=int, default=8000, help="tokens of the cached history before each turn")
+    parser.add_argument("--turn-lengths", default="113,187,245,301,377,419,488,523,577,641")
+    parser.add_argument("--long-lengths", default="20011,23459,27103")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    kinds = {"chat": ints(args.chat_lengths), "turn": ints(args.turn_lengths), "long": ints(args.long_lengths)}
+    longest = max(max(kinds["long"], default=0), args.history + max(kinds["turn"], default=0),
+                  max(kinds["chat"], default=0))
+    results = []
+    print(f"{args.model}, step budget {args.max_num_batched_tokens}: median time to first token, ms")
+    print(f"{'setting':8} {'kind':5} {'prompts':>7} {'first':>9} {'again':>9} {'first - again':>14}")
+    for mode in args.modes.split(","):
+        cfg = from_sources({"model": args.model, "device": args.device, "dtype": args.dtype,
+                            "max_model_len": longest + 64, "max_num_batched_tokens": args.max_num_batched_tokens,
+                            "max_num_seqs": 4, "cuda_graphs": False, "prefill_attention": mode,
+                            # A pool of its own size: the engine booted before this one may not
+                            # have handed all its memory back yet.
+                            "kv_cache_memory_bytes": 8_000_000_000 if args.device == "cuda" else 0},
+                           environ={})
+        llm = LLM(config=cfg)
+        engine = llm.engine
+        prompts = PromptSource(engine.model_config.vocab_size, seed=7)
+        history = prompts(args.history)
+        ttft_s(engine, prompts(64), f"{mode}-warm")
+        ttft_s(engine, history, f"{mode}-history")  # cached from here on
+        row = {"setting": mode, "kinds": {}}
+        for kind, lengths in kinds.items():
+            passes = {}
+            for name in ("first", "again"):
+                made = [history + prompts(n) if kind == "turn" else prompts(n) for n in lengths]
+                passes[name] = [ttft_s(engine, ids, f"{mode}-{kind}-{name}-{i}") for i, ids in enumerate(made)]
+            if not lengths:
+                continue
+            first, again = statistics.median(passes["first"]), statistics.median(passes["again"])
+            row["kinds"][kind] = {"lengths": lengths, **passes}
+            print(f"{mode:8} {kind:5} {len(lengths):7} {first * 1e3:9.2f} {again * 1e3:9.2f} "
+                  f"{(first - again) * 1e3:14.2f}")
+        results.append(row)
+        del engine, llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "history": args.history,
+                                         "max_num_batched_tokens": args.max_num_batched_tokens,
+                                         "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
