@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lab.engine.core.host_copy import to_device
+
 
 @dataclass
 class AttentionMetadata:
@@ -52,32 +54,52 @@ class AttentionMetadata:
         return self.num_decodes == self.num_seqs
 
 
+# Steps of at most this many new tokens compute their slots in a Python loop, which costs less than
+# the fixed cost of the tensor operations (decode steps, chats); longer chunks as one gather.
+LOOP_TOKENS = 512
+
+
+def token_positions(query_lens: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """Positions of the step's new tokens, flattened ([T] int64, on the host): sequence i's run from
+    context_lens[i] - query_lens[i] to context_lens[i] - 1."""
+    first = context_lens - query_lens
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    return torch.arange(int(query_lens.sum())) + torch.repeat_interleave(first - starts, query_lens)
+
+
 def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                    block_size: int, device: torch.device | str = "cpu", num_decodes: int | None = None,
                    pad_block_table_to: int = 0) -> AttentionMetadata:
     """Metadata for sequences given as Python lists (decodes first). Used by the model runner
-    and by tests that build batches by hand."""
+    and by tests that build batches by hand. Built on the host (a long chunk's slots as one
+    gather, not a Python loop over its tokens) and copied without waiting for the device."""
+    device = torch.device(device)
     if num_decodes is None:
         num_decodes = 0
         for q in query_lens:
             if q != 1:
                 break
             num_decodes += 1
-    slots: list[int] = []
-    for q, ctx, table in zip(query_lens, context_lens, block_tables):
-        for p in range(ctx - q, ctx):
-            slots.append(table[p // block_size] * block_size + p % block_size)
     width = max([len(t) for t in block_tables] + [pad_block_table_to, 1])
-    padded = [t + [0] * (width - len(t)) for t in block_tables]
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+    tables = tables.reshape(len(block_tables), width)
+    queries = torch.tensor(query_lens, dtype=torch.int64)
+    if sum(query_lens) <= LOOP_TOKENS:
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for q, ctx, table in zip(query_lens, context_lens, block_tables)
+                              for p in range(ctx - q, ctx)], dtype=torch.int64)
+    else:
+        positions = token_positions(queries, torch.tensor(context_lens, dtype=torch.int64))
+        rows = torch.repeat_interleave(torch.arange(len(query_lens)), queries)
+        slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    torch.cumsum(queries, 0, out=starts[1:])
     return AttentionMetadata(
         num_decodes=num_decodes,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), width),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        slot_mapping=to_device(slots, torch.int64, device),
+        block_tables=to_device(tables, torch.int32, device),
+        context_lens=to_device(context_lens, torch.int32, device),
+        query_start_loc=to_device(starts, torch.int32, device),
         max_query_len=max(query_lens, default=0),
         max_context_len=max(context_lens, default=0),
         query_lens_cpu=list(query_lens),

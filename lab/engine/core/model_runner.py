@@ -13,6 +13,7 @@ from lab.engine.core import prompt_logprobs, rejection_sampler, sampler
 from lab.engine.core.attention_metadata import AttentionMetadata, build_metadata
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.cuda_graphs import DecodeGraphs
+from lab.engine.core.host_copy import to_device
 from lab.engine.core.overlap import InflightStep
 from lab.engine.core.scheduler import ScheduledSeq
 from lab.engine.core.sequence import TokenLogprob
@@ -200,8 +201,8 @@ class ModelRunner:
             elif s.samples:
                 logit_rows.append(base + n - 1)
         meta = build_metadata(query_lens, context_lens, tables, self.block_size, device=self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids = to_device(input_ids, torch.long, self.device)
+        pos = to_device(positions, torch.long, self.device)
         return ids, pos, meta, logit_rows
 
     @torch.inference_mode()
@@ -214,7 +215,9 @@ class ModelRunner:
             return self._postprocess(scheduled, logits)
         ids, pos, meta, logit_rows = self.prepare(scheduled)
         hidden = self.model.forward(ids, pos, meta, self.kv_layers)
-        logits = self.model.logits(hidden[logit_rows]) if logit_rows else None
+        logits = None
+        if logit_rows:
+            logits = self.model.logits(hidden.index_select(0, to_device(logit_rows, torch.long, self.device)))
         return self._postprocess(scheduled, logits)
 
     @torch.inference_mode()

@@ -15,6 +15,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from lab.engine.core.host_copy import to_device
 from lab.engine.core.sampling_params import SamplingParams
 from lab.engine.core.sequence import Sequence, TokenLogprob
 
@@ -95,15 +96,6 @@ def _filtered(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.min_p > 0.0 or p.top_p < 1.0
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`, without waiting for the device: a blocking
-    host-to-device copy synchronises the stream and would end an overlapped decode step's lead.
-    The caching host allocator keeps a pinned source alive until its queued copy has run."""
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            seqs: list[Sequence] | None = None, eos_ids: Seq[int] = ()) -> torch.Tensor:
     """One next token per row of `logits` ([N, V] float32). Greedy rows never draw randomness,
@@ -127,12 +119,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     lo = groups.count(0)  # order[lo:hi] are unfiltered, order[:unseeded] unseeded
     unseeded = lo + groups.count(1)
     hi = unseeded + groups.count(2)
-    idx = _to_device(order, torch.long, device)
+    idx = to_device(order, torch.long, device)
     parts = [target_probs(logits[i], params[i]).unsqueeze(0) for i in order[:lo]]
     if hi > lo:
         # In place here and in the draw below: both tensors are fresh, and on the CPU each new
         # [n, V] buffer is memory mapped anew, its page faults about 13 % of a 32 x 128k call.
-        temps = _to_device([params[i].temperature for i in order[lo:hi]], torch.float32, device)
+        temps = to_device([params[i].temperature for i in order[lo:hi]], torch.float32, device)
         parts.append(logits.index_select(0, idx[lo:hi]).div_(temps[:, None]).softmax(-1))
     parts += [target_probs(logits[i], params[i]).unsqueeze(0) for i in order[hi:]]
     probs = parts[0] if len(parts) == 1 else torch.cat(parts)
