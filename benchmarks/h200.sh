@@ -167,7 +167,8 @@ run_stage() {
             timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
     attn-shapes) timeout 150 python3 benchmarks/attention_shapes.py > "$OUT/attention_shapes.txt" 2>&1 ;;
-    new-shapes) timeout 300 python3 benchmarks/new_shape_ttft.py --json "$OUT/new_shape_ttft.json" \
+    new-shapes) timeout 300 python3 benchmarks/new_shape_ttft.py --modes "${NEW_SHAPE_MODES:-cudnn,flash,auto}" \
+            --json "$OUT/new_shape_ttft.json" \
             > "$OUT/new_shape_ttft.txt" 2>&1 ;;
     attn-prefill) { timeout 240 python3 benchmarks/attention_prefill.py;
             timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_chunk_attention.py \

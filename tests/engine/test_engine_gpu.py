@@ -102,6 +102,21 @@ def test_triton_backend_matches_torch_backend_bf16() -> None:
     assert_close_until_divergence((want_lp, want_ids), top_logprobs(triton_path, ps, 6))
 
 
+@pytest.mark.parametrize("kernel", ["auto", "cudnn", "flash"])
+def test_each_prefill_attention_kernel_matches_the_torch_backend(kernel: str) -> None:
+    """Chunks of 128 tokens over their cached prefixes, and whole short prompts, on each of PyTorch's
+    fused kernels (auto mixes them: cuDNN for the budget-sized chunks, flash for the rest)."""
+    ps = prompts(5, seed=5)
+    torch_path = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", attention_backend="torch",
+                     cuda_graphs=False, max_num_batched_tokens=128)
+    want = top_logprobs(torch_path, ps, 4)
+    del torch_path
+    triton_path = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", attention_backend="triton",
+                      max_num_batched_tokens=128, prefill_attention=kernel)
+    assert triton_path.engine.runner.attention.prefill_kernels.mode == kernel
+    assert_close_until_divergence(want, top_logprobs(triton_path, ps, 4))
+
+
 def test_fp8_kv_cache_stays_close() -> None:
     ps = prompts(4, seed=3)
     bf16 = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda")
