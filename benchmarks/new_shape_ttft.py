@@ -12,7 +12,8 @@ the prefix cache has nothing of the new tokens, so the same work is recomputed):
     long   fresh prompts of --long-lengths tokens, in chunks of the step budget
 
 Prints, per setting and kind, the median time to first token of each pass and their difference
-(what a new shape cost), and writes them with every request's time to --json.
+(what a new shape cost), and writes them with every request's time to --json. With several
+settings each runs in a process of its own, so no engine runs beside what an earlier one left.
 
     python benchmarks/new_shape_ttft.py                                  # dummy:llama3-8b on CUDA
     python benchmarks/new_shape_ttft.py --model dummy:smollm2-135m --device cpu --dtype float32 \\
@@ -23,9 +24,11 @@ Prints, per setting and kind, the median time to first token of each pass and th
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +57,24 @@ def ints(text: str) -> list[int]:
     return [int(n) for n in text.split(",") if n]
 
 
+def each_in_its_own_process(args: argparse.Namespace, modes: list[str]) -> None:
+    """Runs this script once per setting and joins their tables and JSON."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, mode in enumerate(modes):
+            out = Path(tmp) / f"{mode}.json"
+            argv = [sys.executable, __file__, "--model", args.model, "--device", args.device, "--dtype", args.dtype,
+                    "--modes", mode, "--chat-lengths", args.chat_lengths, "--history", str(args.history),
+                    "--turn-lengths", args.turn_lengths, "--long-lengths", args.long_lengths,
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--json", str(out)]
+            lines = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()
+            print("\n".join(lines if i == 0 else lines[2:]), flush=True)
+            found = json.loads(out.read_text())
+            results.extend(found["results"])
+    if args.json:
+        args.json.write_text(json.dumps({**found, "results": results}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dummy:llama3-8b")
@@ -67,18 +88,20 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if len(modes) > 1:
+        each_in_its_own_process(args, modes)
+        return
     kinds = {"chat": ints(args.chat_lengths), "turn": ints(args.turn_lengths), "long": ints(args.long_lengths)}
     longest = max(max(kinds["long"], default=0), args.history + max(kinds["turn"], default=0),
                   max(kinds["chat"], default=0))
     results = []
     print(f"{args.model}, step budget {args.max_num_batched_tokens}: median time to first token, ms")
     print(f"{'setting':8} {'kind':5} {'prompts':>7} {'first':>9} {'again':>9} {'first - again':>14}")
-    for mode in args.modes.split(","):
+    for mode in modes:
         cfg = from_sources({"model": args.model, "device": args.device, "dtype": args.dtype,
                             "max_model_len": longest + 64, "max_num_batched_tokens": args.max_num_batched_tokens,
                             "max_num_seqs": 4, "cuda_graphs": False, "prefill_attention": mode,
-                            # A pool of its own size: the engine booted before this one may not
-                            # have handed all its memory back yet.
                             "kv_cache_memory_bytes": 8_000_000_000 if args.device == "cuda" else 0},
                            environ={})
         llm = LLM(config=cfg)
@@ -100,10 +123,6 @@ def main() -> None:
             print(f"{mode:8} {kind:5} {len(lengths):7} {first * 1e3:9.2f} {again * 1e3:9.2f} "
                   f"{(first - again) * 1e3:14.2f}")
         results.append(row)
-        del engine, llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "history": args.history,
                                          "max_num_batched_tokens": args.max_num_batched_tokens,
