@@ -167,9 +167,11 @@ run_stage() {
             timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
     attn-shapes) timeout 150 python3 benchmarks/attention_shapes.py > "$OUT/attention_shapes.txt" 2>&1 ;;
-    new-shapes) timeout 300 python3 benchmarks/new_shape_ttft.py --modes "${NEW_SHAPE_MODES:-cudnn,flash,auto}" \
-            --json "$OUT/new_shape_ttft.json" \
-            > "$OUT/new_shape_ttft.txt" 2>&1 ;;
+    new-shapes) # NEW_SHAPE_MODES: the settings; NEW_SHAPE_ARGS: more arguments (--warm-largest);
+         # NEW_SHAPE_TAG: a suffix for the output files, to run the stage twice in one call
+         timeout 300 python3 benchmarks/new_shape_ttft.py --modes "${NEW_SHAPE_MODES:-cudnn,flash,auto}" \
+            ${NEW_SHAPE_ARGS:-} --json "$OUT/new_shape_ttft${NEW_SHAPE_TAG:-}.json" \
+            > "$OUT/new_shape_ttft${NEW_SHAPE_TAG:-}.txt" 2>&1 ;;
     attn-prefill) { timeout 240 python3 benchmarks/attention_prefill.py;
             timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_chunk_attention.py \
               tests/engine/test_kernels.py -k "attention or prefill"; } > "$OUT/attention_prefill.txt" 2>&1 ;;

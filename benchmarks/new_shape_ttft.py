@@ -12,7 +12,9 @@ the prefix cache has nothing of the new tokens, so the same work is recomputed):
     long   fresh prompts of --long-lengths tokens, in chunks of the step budget
 
 Prints, per setting and kind, the median time to first token of each pass and their difference
-(what a new shape cost), and writes them with every request's time to --json. With several
+(what a new shape cost), with the device allocations (cudaMalloc) of each pass, and writes them
+with every request's time to --json. --warm-largest first sends one prompt of each kind a token
+longer than its longest, so the allocator has grown before the timings. With several
 settings each runs in a process of its own, so no engine runs beside what an earlier one left.
 
     python benchmarks/new_shape_ttft.py                                  # dummy:llama3-8b on CUDA
@@ -66,7 +68,8 @@ def each_in_its_own_process(args: argparse.Namespace, modes: list[str]) -> None:
             argv = [sys.executable, __file__, "--model", args.model, "--device", args.device, "--dtype", args.dtype,
                     "--modes", mode, "--chat-lengths", args.chat_lengths, "--history", str(args.history),
                     "--turn-lengths", args.turn_lengths, "--long-lengths", args.long_lengths,
-                    "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--json", str(out)]
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--json", str(out),
+                    *(["--warm-largest"] if args.warm_largest else [])]
             lines = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()
             print("\n".join(lines if i == 0 else lines[2:]), flush=True)
             found = json.loads(out.read_text())
@@ -86,6 +89,8 @@ def main() -> None:
     parser.add_argument("--turn-lengths", default="113,187,245,301,377,419,488,523,577,641")
     parser.add_argument("--long-lengths", default="20011,23459,27103")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--warm-largest", action="store_true",
+                        help="first send one prompt of each kind a token longer than its longest")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -93,40 +98,56 @@ def main() -> None:
         each_in_its_own_process(args, modes)
         return
     kinds = {"chat": ints(args.chat_lengths), "turn": ints(args.turn_lengths), "long": ints(args.long_lengths)}
-    longest = max(max(kinds["long"], default=0), args.history + max(kinds["turn"], default=0),
-                  max(kinds["chat"], default=0))
-    results = []
-    print(f"{args.model}, step budget {args.max_num_batched_tokens}: median time to first token, ms")
-    print(f"{'setting':8} {'kind':5} {'prompts':>7} {'first':>9} {'again':>9} {'first - again':>14}")
-    for mode in modes:
-        cfg = from_sources({"model": args.model, "device": args.device, "dtype": args.dtype,
-                            "max_model_len": longest + 64, "max_num_batched_tokens": args.max_num_batched_tokens,
-                            "max_num_seqs": 4, "cuda_graphs": False, "prefill_attention": mode,
-                            "kv_cache_memory_bytes": 8_000_000_000 if args.device == "cuda" else 0},
-                           environ={})
-        llm = LLM(config=cfg)
-        engine = llm.engine
-        prompts = PromptSource(engine.model_config.vocab_size, seed=7)
-        history = prompts(args.history)
-        ttft_s(engine, prompts(64), f"{mode}-warm")
-        ttft_s(engine, history, f"{mode}-history")  # cached from here on
-        row = {"setting": mode, "kinds": {}}
-        for kind, lengths in kinds.items():
-            passes = {}
-            for name in ("first", "again"):
-                made = [history + prompts(n) if kind == "turn" else prompts(n) for n in lengths]
-                passes[name] = [ttft_s(engine, ids, f"{mode}-{kind}-{name}-{i}") for i, ids in enumerate(made)]
-            if not lengths:
-                continue
-            first, again = statistics.median(passes["first"]), statistics.median(passes["again"])
-            row["kinds"][kind] = {"lengths": lengths, **passes}
-            print(f"{mode:8} {kind:5} {len(lengths):7} {first * 1e3:9.2f} {again * 1e3:9.2f} "
-                  f"{(first - again) * 1e3:14.2f}")
-        results.append(row)
+    print(f"{args.model}, step budget {args.max_num_batched_tokens}: median time to first token, ms; "
+          "device allocations (cudaMalloc) per pass")
+    print(f"{'setting':8} {'kind':5} {'prompts':>7} {'first':>9} {'again':>9} {'first - again':>14} {'mallocs':>9}")
+    row = run_setting(args, modes[0], kinds)
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "history": args.history,
                                          "max_num_batched_tokens": args.max_num_batched_tokens,
-                                         "results": results}, indent=1))
+                                         "warm_largest": args.warm_largest, "results": [row]}, indent=1))
+
+
+def device_allocations() -> int:
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+
+
+def run_setting(args: argparse.Namespace, mode: str, kinds: dict[str, list[int]]) -> dict:
+    longest = max(max(kinds["long"], default=0), args.history + max(kinds["turn"], default=0) + 1,
+                  max(kinds["chat"], default=0)) + 1
+    cfg = from_sources({"model": args.model, "device": args.device, "dtype": args.dtype,
+                        "max_model_len": longest + 64, "max_num_batched_tokens": args.max_num_batched_tokens,
+                        "max_num_seqs": 4, "cuda_graphs": False, "prefill_attention": mode,
+                        "kv_cache_memory_bytes": 8_000_000_000 if args.device == "cuda" else 0}, environ={})
+    engine = LLM(config=cfg).engine
+    prompts = PromptSource(engine.model_config.vocab_size, seed=7)
+    history = prompts(args.history)
+    ttft_s(engine, prompts(64), f"{mode}-warm")
+    ttft_s(engine, history, f"{mode}-history")  # cached from here on
+
+    def made(kind: str, n: int) -> list[int]:
+        return history + prompts(n) if kind == "turn" else prompts(n)
+
+    if args.warm_largest:
+        # One prompt of each kind a token longer than its longest: the allocator's pool grows to
+        # the largest activations before the timings, at a shape none of them uses.
+        for kind, lengths in kinds.items():
+            if lengths:
+                ttft_s(engine, made(kind, max(lengths) + 1), f"{mode}-{kind}-largest")
+    row = {"setting": mode, "kinds": {}}
+    for kind, lengths in kinds.items():
+        if not lengths:
+            continue
+        passes, mallocs = {}, {}
+        for name in ("first", "again"):
+            before = device_allocations()
+            passes[name] = [ttft_s(engine, made(kind, n), f"{mode}-{kind}-{name}-{i}") for i, n in enumerate(lengths)]
+            mallocs[name] = device_allocations() - before
+        first, again = statistics.median(passes["first"]), statistics.median(passes["again"])
+        row["kinds"][kind] = {"lengths": lengths, **passes, "device_allocations": mallocs}
+        print(f"{mode:8} {kind:5} {len(lengths):7} {first * 1e3:9.2f} {again * 1e3:9.2f} "
+              f"{(first - again) * 1e3:14.2f} {mallocs['first']:4}/{mallocs['again']:<4}", flush=True)
+    return row
 
 
 if __name__ == "__main__":
