@@ -325,6 +325,22 @@ def test_attention_merge_gpu(compiled_kernels: None, dtype: str) -> None:
 
 
 @pytest.mark.gpu
+def test_attention_merge_compiles_once_for_every_chunk_length(compiled_kernels: None) -> None:
+    """Chunk lengths of every class Triton would tell apart (1, multiples of 16, multiples of 4,
+    odd), each after the first, compile nothing: a server meets them all while it serves."""
+    import torch
+
+    from lab.engine.kernels.attention_merge import _merge_kernel
+
+    check_attention_merge(7, 32, 8, 128, "bfloat16", device="cuda")
+    device = torch.cuda.current_device()
+    compiled = len(_merge_kernel.device_caches[device][0])
+    for length in (1, 2, 4, 16, 113, 488, 8192):
+        assert_attention_merge_ok(check_attention_merge(length, 32, 8, 128, "bfloat16", device="cuda"), "bfloat16")
+    assert len(_merge_kernel.device_caches[device][0]) == compiled
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("inter", [1536, 14336])
 def test_silu_and_mul_gpu(compiled_kernels: None, dtype: str, inter: int) -> None:
