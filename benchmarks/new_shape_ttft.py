@@ -31,28 +31,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from lab.engine.core.config import from_sources
-from lab.engine.core.sampling_params import SamplingParams
 from lab.engine.serve.llm import LLM
-from lab.engine.tools.bench import PromptSource
-
-
-def ttft_s(engine, ids: list[int], request_id: str) -> float:
-    """Seconds from adding the prompt to its first token, the device idle before and after."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    engine.add_request(request_id, ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
-                                                       detokenize=False))
-    while engine.has_unfinished():
-        engine.step()
-    sync()
-    return time.perf_counter() - start
+from lab.engine.tools.bench import PromptSource, engine_prefill_s
 
 
 def ints(text: str) -> list[int]:
@@ -113,17 +98,18 @@ def device_allocations() -> int:
 
 
 def run_setting(args: argparse.Namespace, mode: str, kinds: dict[str, list[int]]) -> dict:
-    longest = max(max(kinds["long"], default=0), args.history + max(kinds["turn"], default=0) + 1,
+    # + 1: --warm-largest sends one token past each kind's longest.
+    longest = max(max(kinds["long"], default=0), args.history + max(kinds["turn"], default=0),
                   max(kinds["chat"], default=0)) + 1
     cfg = from_sources({"model": args.model, "device": args.device, "dtype": args.dtype,
                         "max_model_len": longest + 64, "max_num_batched_tokens": args.max_num_batched_tokens,
                         "max_num_seqs": 4, "cuda_graphs": False, "prefill_attention": mode,
                         "kv_cache_memory_bytes": 8_000_000_000 if args.device == "cuda" else 0}, environ={})
-    engine = LLM(config=cfg).engine
-    prompts = PromptSource(engine.model_config.vocab_size, seed=7)
+    llm = LLM(config=cfg)
+    prompts = PromptSource(llm.engine.model_config.vocab_size, seed=7)
     history = prompts(args.history)
-    ttft_s(engine, prompts(64), f"{mode}-warm")
-    ttft_s(engine, history, f"{mode}-history")  # cached from here on
+    engine_prefill_s(llm, prompts(64))
+    engine_prefill_s(llm, history)  # cached from here on
 
     def made(kind: str, n: int) -> list[int]:
         return history + prompts(n) if kind == "turn" else prompts(n)
@@ -133,7 +119,7 @@ def run_setting(args: argparse.Namespace, mode: str, kinds: dict[str, list[int]]
         # the largest activations before the timings, at a shape none of them uses.
         for kind, lengths in kinds.items():
             if lengths:
-                ttft_s(engine, made(kind, max(lengths) + 1), f"{mode}-{kind}-largest")
+                engine_prefill_s(llm, made(kind, max(lengths) + 1))
     row = {"setting": mode, "kinds": {}}
     for kind, lengths in kinds.items():
         if not lengths:
@@ -141,7 +127,7 @@ def run_setting(args: argparse.Namespace, mode: str, kinds: dict[str, list[int]]
         passes, mallocs = {}, {}
         for name in ("first", "again"):
             before = device_allocations()
-            passes[name] = [ttft_s(engine, made(kind, n), f"{mode}-{kind}-{name}-{i}") for i, n in enumerate(lengths)]
+            passes[name] = [engine_prefill_s(llm, made(kind, n)) for n in lengths]
             mallocs[name] = device_allocations() - before
         first, again = statistics.median(passes["first"]), statistics.median(passes["again"])
         row["kinds"][kind] = {"lengths": lengths, **passes, "device_allocations": mallocs}

@@ -27,7 +27,6 @@ from lab.engine.kernels.attention_merge import merge_into
 FLASH_FLOPS_PER_S = 330e12
 CUDNN_FLOPS_PER_S = 590e12
 CUDNN_PLAN_S = 0.045
-KERNELS = ("auto", "cudnn", "flash")
 
 
 @dataclass(frozen=True)
