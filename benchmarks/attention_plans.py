@@ -8,7 +8,10 @@ same graph; this measures whether any of them is faster on this GPU. Shapes are 
 - causal: a chunk of L tokens attending to itself (q [L, 32, 128], k/v [L, 8, 128]);
 - prefix: the chunk's query heads folded per KV head (q [8, 4L, 128]) over a P-token prefix;
 - bottom-right: the chunk over prefix and itself in one call, causal aligned bottom-right (what
-  the engine does in two calls and a merge); frontend only.
+  the engine does in two calls and a merge); frontend only;
+- causal L in pieces: the same causal attention as n pieces of L/n queries, each the engine's
+  chunk_attention (its prefix folded, its own part causal, the two merged), to see whether moving
+  work from the causal kernel to the folded one pays.
 
     python benchmarks/attention_plans.py [--length 32768] [--prefixes 32768 98304]
 """
@@ -19,6 +22,8 @@ import argparse
 import statistics
 
 import torch
+
+from lab.engine.model.chunk_attention import chunk_attention
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 
@@ -124,6 +129,18 @@ def main() -> None:
         fk, fv = ctx(prefix + L), ctx(prefix + L)
         cases.append((f"bottom-right {prefix}+{L}", view(chunk_q), view(fk), view(fv), "bottom_right",
                       flops(L, prefix + L, HEADS, True, bottom_right=True)))
+    causal_work = flops(L, L, HEADS, True)
+    print(f"\ncausal {L} in pieces (cuDNN, the engine's chunk_attention): {causal_work / 1e12:.2f} TFLOP", flush=True)
+    out = torch.empty_like(chunk_q)
+    for pieces in (1, 2, 4, 8):
+        size = L // pieces
+
+        def run() -> None:
+            for i in range(pieces):
+                end = (i + 1) * size
+                chunk_attention(chunk_q[i * size:end], k[:end], v[:end], DIM ** -0.5, out=out[i * size:end])
+        ms = time_ms(run)
+        print(f"  {pieces} pieces of {size:<44} {ms:9.3f} ms {causal_work / ms / 1e9:7.1f} TFLOP/s", flush=True)
     for name, q, k, v, mask, work in cases:
         print(f"\n{name}: {work / 1e12:.2f} TFLOP", flush=True)
         if mask != "bottom_right":
