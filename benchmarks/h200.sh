@@ -5,8 +5,7 @@
 #   usage (device command): bash benchmarks/h200.sh COMMIT [STAGE ...]
 #   stages: bf16 fp8 tests kernels smollm2 (default: all five); bf16-noref is bf16 without transformers;
 #   decode is bf16's batch-1 and batch-32 decode alone (a quick A/B); pdl is that decode without and with
-#   programmatic dependent launch (--pdl), alternated twice, and its GPU test; prefetch is the same for
-#   --l2-prefetch, with its GPU tests; attn is the fp8 decode attention
+#   programmatic dependent launch (--pdl), alternated twice, and its GPU test; attn is the fp8 decode attention
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
 #   attn-prefill is benchmarks/attention_prefill.py (PyTorch's attention kernels on long-prefill shapes) and
 #   the GPU attention tests; attn-shapes is benchmarks/attention_shapes.py (a chunk's attention at a shape seen
@@ -101,13 +100,6 @@ run_stage() {
                --repeats 3 --reference none --json "$OUT/decode_pdl_$i.json"; done
            timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
              -k "programmatic or graph"; } > "$OUT/pdl.txt" 2>&1 ;;
-    prefetch) # batch-1 and batch-32 decode without and with --l2-prefetch, alternated (ABAB), then the
-         # GPU tests that it changes no token and that its kernel runs in every mode
-         { for i in 1 2 3 4; do p=$([ $((i % 2)) = 0 ] && echo true || echo false)
-             timeout 100 python3 -m lab.engine bench "${big[@]}" --l2-prefetch $p --prefill-lengths "" \
-               --concurrency 32 --repeats 3 --reference none --json "$OUT/decode_prefetch_$i.json"; done
-           timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
-             tests/engine/test_kernels.py -k "l2_prefetch"; } > "$OUT/prefetch.txt" 2>&1 ;;
     fp8) timeout 120 python3 -m lab.engine bench "${big[@]}" --kv-cache-dtype fp8 --prefill-lengths "" \
             --concurrency 32 --repeats 1 --reference none --throughput 256 --json "$OUT/llama3_8b_fp8.json" \
             > "$OUT/llama3_8b_fp8.txt" 2>&1 ;;

@@ -405,32 +405,8 @@ def check_num_splits(shapes: list[list[int]], bounds_for: list[list[int]] = ()) 
     return {"splits": [choose_num_splits(*shape) for shape in shapes], "bounds": bounds}
 
 
-def check_l2_prefetch(rows: int, cols: int, mode: str = "load", fraction: float = 1.0, programs: int = 3,
-                      dtype: str = "bfloat16", seed: int = 0, device: str = "cpu") -> dict[str, Any]:
-    """kernels.l2_prefetch on a [rows, cols] weight: it must leave the weight bit for bit as it
-    was, and in "load" mode its programs' sums (int32, wrapping) must add up to the sum of exactly
-    the words it was asked to fetch (whole 16-byte items of the first `fraction` of the bytes)."""
-    from lab.engine.kernels.l2_prefetch import L2Prefetch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    w = _randn(gen, rows, cols).to(_dtype(dtype))
-    before = w.clone()
-    prefetch = L2Prefetch(torch.device(device), programs, mode)
-    prefetch.start(w, fraction)
-    prefetch.join()
-    words = w.view(-1).view(torch.int32)
-    fetched = int(words.numel() * fraction) // 4 * 4
-    to_int32 = lambda n: (n + 2**31) % 2**32 - 2**31  # noqa: E731
-    return {
-        "weight_unchanged": bool(torch.equal(w.view(-1).view(torch.int32), before.view(-1).view(torch.int32))),
-        "sink_sum": to_int32(int(prefetch.sink.long().sum())),
-        "words_sum": to_int32(int(words[:fetched].long().sum())),
-    }
-
-
 CHECKS = {f.__name__: f for f in (check_attention, check_padding_rows, check_rms_norm, check_rope_kv_write,
-                                  check_silu_and_mul, check_attention_merge, check_fp8_pairs, check_num_splits,
-                                  check_l2_prefetch)}
+                                  check_silu_and_mul, check_attention_merge, check_fp8_pairs, check_num_splits)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -85,12 +85,6 @@ def test_programmatic_dependent_launch_on_the_cpu_is_refused_in_one_line() -> No
     assert "\n" not in str(err.value)
 
 
-def test_l2_prefetch_on_the_cpu_is_refused_in_one_line() -> None:
-    with pytest.raises(ConfigError, match="--l2-prefetch needs --attention-backend triton") as err:
-        LLM("smollm2-135m", device="cpu", l2_prefetch=True)
-    assert "\n" not in str(err.value)
-
-
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_a_prefill_attention_kernel_on_the_cpu_is_refused_in_one_line(kernel: str) -> None:
     with pytest.raises(ConfigError, match=f"--prefill-attention {kernel} needs --attention-backend triton") as err:
@@ -105,4 +99,3 @@ def test_a_knob_added_later_leaves_existing_config_hashes_unchanged() -> None:
     assert EngineConfig(model="dummy:llama3-8b-1m", kv_cache_dtype="fp8").hash == "6fb57256967e0d22"
     assert EngineConfig(pdl=True).hash != EngineConfig().hash
     assert EngineConfig(prefill_attention="cudnn").hash != EngineConfig().hash
-    assert EngineConfig(l2_prefetch=True).hash != EngineConfig().hash

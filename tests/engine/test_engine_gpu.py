@@ -187,22 +187,3 @@ def test_programmatic_dependent_launch_changes_no_token_or_logprob() -> None:
     launched = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", pdl=True)
     assert launched.engine.runner.graphs is not None and launched.engine.runner.attention.pdl
     assert answers(launched) == want
-
-
-def test_l2_prefetch_changes_no_token_or_logprob() -> None:
-    """The prefetch only reads the o projection's weight on a side stream, joined before the
-    product that reads it: with CUDA graphs and the overlapped loop, alone and six at once, tokens
-    and logprobs equal those without it."""
-    ps = prompts(6, seed=8)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
-
-    def answers(llm: LLM) -> list:
-        runs = [llm.generate([ps[0]], params), llm.generate(ps, params)]
-        return [(c.token_ids, [dict(lp.top) for lp in c.logprobs]) for run in runs for c in run]
-
-    plain = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda")
-    want = answers(plain)
-    del plain
-    fetched = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="bfloat16", device="cuda", l2_prefetch=True)
-    assert fetched.engine.runner.graphs is not None and fetched.engine.runner.model.ops.skinny.prefetch is not None
-    assert answers(fetched) == want

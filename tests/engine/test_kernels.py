@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 
 from tests.engine.kernel_cases import (InterpreterWorker, check_attention, check_attention_merge, check_fp8_pairs,
-                                       check_l2_prefetch,
                                        check_padding_rows, check_rms_norm, check_rope_kv_write, check_silu_and_mul)
 
 # ||out - ref|| / ||ref||. fp32 attention runs IEEE fp32 dots (no tf32), so 1e-4 leaves room only
@@ -192,25 +191,6 @@ def test_attention_merge_refuses_shapes_that_do_not_fit() -> None:
                    torch.zeros(4, 8, 8))
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(dict(rows=96, cols=64), id="whole"),
-    pytest.param(dict(rows=97, cols=40, fraction=0.5, programs=2), id="half-of-an-odd-shape"),
-    pytest.param(dict(rows=33, cols=24, dtype="float32", programs=5), id="fp32"),
-])
-def test_l2_prefetch_interpreter(interpreter: InterpreterWorker, case: dict[str, Any]) -> None:
-    result = interpreter.run("check_l2_prefetch", **case)
-    assert result["weight_unchanged"]
-    assert result["sink_sum"] == result["words_sum"]
-
-
-def test_l2_prefetch_refuses_an_unknown_mode() -> None:
-    torch = pytest.importorskip("torch")
-    from lab.engine.kernels.l2_prefetch import L2Prefetch
-
-    with pytest.raises(ValueError, match="unknown L2 prefetch mode 'evict'"):
-        L2Prefetch(torch.device("cpu"), 4, "evict")
-
-
 def test_silu_and_mul_rejects_an_odd_width() -> None:
     from lab.engine.kernels.silu_mul import silu_and_mul
 
@@ -297,21 +277,6 @@ GPU_ATTENTION_CASES = [
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_attention_gpu(compiled_kernels: None, case: dict[str, Any], dtype: str) -> None:
     assert_attention_ok(check_attention(**case, **LLAMA3_8B, dtype=dtype, device="cuda"), dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["load", "prefetch", "bulk"])
-def test_l2_prefetch_gpu(compiled_kernels: None, mode: str) -> None:
-    """Each mode compiles and runs on the GPU over a Llama-3-8B o projection and leaves it as it
-    was; "load" also sums exactly the words asked for."""
-    import torch
-
-    if mode == "bulk" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("cp.async.bulk needs compute capability 9.0 or newer")
-    result = check_l2_prefetch(4096, 4096, mode, fraction=0.75, programs=132, device="cuda")
-    assert result["weight_unchanged"]
-    if mode == "load":
-        assert result["sink_sum"] == result["words_sum"]
 
 
 @pytest.mark.gpu

@@ -77,9 +77,6 @@ class EngineConfig:
     pdl: bool = _knob(False, "launch decode steps' Triton kernels (skinny products, decode attention) with "
                       "programmatic dependent launch, overlapping each launch with the previous kernel's tail "
                       "(CUDA, sm_90 and newer; needs the triton backends)", hashed_at_default=False)
-    l2_prefetch: bool = _knob(False, "decode steps of at most 16 rows: fetch each layer's o-projection weight into "
-                              "the GPU's L2 cache on a side stream while attention runs, when the memory is "
-                              "otherwise idle (CUDA; needs the triton backends)", hashed_at_default=False)
     cuda_graphs: bool = _knob(True, "capture decode steps as CUDA graphs (CUDA only)")
     cuda_graph_max_batch_size: int = _knob(256, "largest decode batch captured as a CUDA graph")
     overlap_decode: str = _knob("auto", "queue each decode step on the device before reading the previous "

@@ -55,8 +55,6 @@ def make_backends(config: EngineConfig, device: torch.device, max_model_len: int
     if config.pdl and (choice != "triton" or device.type != "cuda"
                        or torch.cuda.get_device_capability(device) < (9, 0)):
         raise ConfigError("--pdl needs --attention-backend triton on a CUDA GPU of compute capability 9.0 or newer")
-    if config.l2_prefetch and (choice != "triton" or device.type != "cuda" or config.gemv_backend == "torch"):
-        raise ConfigError("--l2-prefetch needs --attention-backend triton and the Triton products on --device cuda")
     if config.prefill_attention != "auto" and (choice != "triton" or device.type != "cuda"):
         raise ConfigError(f"--prefill-attention {config.prefill_attention} needs --attention-backend triton on "
                           "--device cuda (the CPU path has one attention kernel)")
@@ -65,7 +63,6 @@ def make_backends(config: EngineConfig, device: torch.device, max_model_len: int
     if device.type != "cuda":
         raise ConfigError("--attention-backend triton needs --device cuda (use torch on the CPU)")
     from lab.engine.kernels import gemv, rmsnorm, silu_mul
-    from lab.engine.kernels.l2_prefetch import L2Prefetch
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.model.chunk_attention import PrefillKernels
     from lab.engine.model.triton_attention import TritonAttention
@@ -90,8 +87,7 @@ def make_backends(config: EngineConfig, device: torch.device, max_model_len: int
 
         ops.skinny = SkinnyOps(rows=gemv.MAX_ROWS, linear=functools.partial(gemv.skinny_linear, pdl=config.pdl),
                                silu_mul_linear=functools.partial(gemv.skinny_silu_mul_linear, pdl=config.pdl),
-                               qkv_rope_kv=qkv_rope_kv,
-                               prefetch=L2Prefetch(device, gemv.sm_count(device)) if config.l2_prefetch else None)
+                               qkv_rope_kv=qkv_rope_kv)
     return attention, ops
 
 

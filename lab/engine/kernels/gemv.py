@@ -287,7 +287,7 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _sm_counts: dict[torch.device, int] = {}
 
 
-def sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any number exercises the same code
     if device not in _sm_counts:
@@ -441,7 +441,7 @@ def _product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dty
     if k == 0:
         return out.copy_(residual) if residual is not None else out.zero_()
 
-    cfg = config or pick_config(m, n, k, sm_count(x.device), silu_mul)
+    cfg = config or pick_config(m, n, k, _sm_count(x.device), silu_mul)
     if norm_weight is not None and cfg.use_dot:
         # The tensor-core path feeds x to the MMA from shared memory; scaling it in registers
         # first costs a round trip per tile (the whole chain 0.86x at M = 4..16 on an H200,

@@ -8,7 +8,7 @@ layout is the one measured fastest on the host for its shape and row count (`cpu
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,6 @@ from lab.engine.model import layers
 from lab.engine.model.attention import AttentionBackend
 from lab.engine.model.cpu_linear import CpuLinear
 from lab.engine.model.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from lab.engine.kernels.l2_prefetch import L2Prefetch
 
 
 @dataclass
@@ -46,9 +43,6 @@ class SkinnyOps:
     # The q|k|v product with its pre-norm, RoPE and KV write fused in:
     # (x, w, norm_weight, eps, rows, k_cache, v_cache, slots) -> q|k|v with q and k rotated
     qkv_rope_kv: Callable | None = None
-    # Fetches the o projection's weight into L2 beside attention, in captured decode graphs only
-    # (eager, its stream fork and join would cost more host time than it saves)
-    prefetch: L2Prefetch | None = None
 
 
 @dataclass
@@ -134,21 +128,15 @@ class Model:
                       kv: tuple[torch.Tensor, torch.Tensor], rope_rows: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
         eps = self.config.rms_norm_eps
-        fused = skinny.qkv_rope_kv is not None and layer.qkv_bias is None
-        if fused:
+        if skinny.qkv_rope_kv is not None and layer.qkv_bias is None:
             qkv = skinny.qkv_rope_kv(stream, layer.qkv, layer.input_norm, eps, rope_rows, kv[0], kv[1],
                                      meta.slot_mapping)
+            attn = self._attend(qkv, kv, rope_rows, meta, kv_written=True)
         else:
             qkv = skinny.linear(stream, layer.qkv, norm_weight=layer.input_norm, eps=eps)
             if layer.qkv_bias is not None:
                 qkv.add_(layer.qkv_bias)
-        # Attention leaves the memory nearly idle: the o projection's weight comes in meanwhile.
-        prefetch = skinny.prefetch if skinny.prefetch is not None and torch.cuda.is_current_stream_capturing() else None
-        if prefetch is not None:
-            prefetch.start(layer.o)
-        attn = self._attend(qkv, kv, rope_rows, meta, kv_written=fused)
-        if prefetch is not None:
-            prefetch.join()
+            attn = self._attend(qkv, kv, rope_rows, meta, kv_written=False)
         stream = skinny.linear(attn, layer.o, residual=stream)
         gate_up = skinny.linear(stream, layer.gate_up, norm_weight=layer.post_norm, eps=eps)
         return skinny.silu_mul_linear(gate_up, layer.down, residual=stream)
