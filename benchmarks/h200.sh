@@ -9,7 +9,8 @@
 #   variants (benchmarks/attention_fp8.py; a kernel staged in .cache/stage/old_attn joins them);
 #   attn-prefill is benchmarks/attention_prefill.py (PyTorch's attention kernels on long-prefill shapes) and
 #   the GPU attention tests; attn-shapes is benchmarks/attention_shapes.py (a chunk's attention at a shape seen
-#   for the first time and again, cuDNN and flash); attn-plans is benchmarks/attention_plans.py (every cuDNN plan for the long-prefill attention
+#   for the first time and again, cuDNN and flash); first-long is benchmarks/first_long_prompt.py (where a
+#   fresh engine's first long prompts spend their time, cProfile), twice; attn-plans is benchmarks/attention_plans.py (every cuDNN plan for the long-prefill attention
 #   shapes, through the cuDNN frontend carried as a wheel in .whl-fe); new-shapes is benchmarks/new_shape_ttft.py (time to first
 #   token of chats, chat turns and long prompts at new lengths, then again, per --prefill-attention); prefill-long is cold prefill at 8K, 32K and 131K alone;
 #   long and 1m run ladders/h200-long.yaml and ladders/h200-1m.yaml a call at a time (resumed from the
@@ -168,6 +169,9 @@ run_stage() {
             timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
     attn-shapes) timeout 150 python3 benchmarks/attention_shapes.py > "$OUT/attention_shapes.txt" 2>&1 ;;
+    first-long) # twice, in two processes: the first compiles Triton kernels into an empty cache
+         for i in 1 2; do timeout 200 python3 benchmarks/first_long_prompt.py ${FIRST_LONG_ARGS:-} \
+             > "$OUT/first_long_prompt_$i.txt" 2>&1; done ;;
     attn-plans) # the cuDNN frontend's wheel (nvidia-cudnn-frontend) travels in .whl-fe, carried
          [ -d .whl-fe ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
              --upgrade --target /tmp/site-fe .whl-fe/*.whl
