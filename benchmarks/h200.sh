@@ -172,7 +172,9 @@ run_stage() {
     first-long) # twice, in two processes: the first compiles Triton kernels into an empty cache
          for i in 1 2; do timeout 200 python3 benchmarks/first_long_prompt.py ${FIRST_LONG_ARGS:-} \
              > "$OUT/first_long_prompt_$i.txt" 2>&1; done ;;
-    attn-plans) # the cuDNN frontend's wheel (nvidia-cudnn-frontend) travels in .whl-fe, carried
+    attn-plans) # the cuDNN frontend's wheel travels in .whl-fe, carried; fetch it here with
+         # python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+         #   --platform manylinux_2_28_x86_64 -d .whl-fe nvidia-cudnn-frontend==1.32.0
          [ -d .whl-fe ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
              --upgrade --target /tmp/site-fe .whl-fe/*.whl
          PYTHONPATH=$PYTHONPATH:/tmp/site-fe timeout 240 python3 benchmarks/attention_plans.py \
