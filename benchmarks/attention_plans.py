@@ -19,27 +19,14 @@ same graph; this measures whether any of them is faster on this GPU. Shapes are 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from attention_prefill import median_ms
 
-from lab.engine.model.chunk_attention import chunk_attention
+from lab.engine.model.chunk_attention import attention_lse, chunk_attention
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
-
-
-def time_ms(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+REPEATS = 5  # timed runs after one untimed, median
 
 
 def flops(lq: int, lk: int, heads: int, causal: bool, bottom_right: bool = False) -> float:
@@ -49,15 +36,6 @@ def flops(lq: int, lk: int, heads: int, causal: bool, bottom_right: bool = False
     elif causal:
         pairs = lq * (lk - lq) + lq * (lq + 1) / 2
     return 4 * pairs * heads * DIM
-
-
-def torch_cudnn(q, k, v, causal: bool):
-    return lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                       scale=DIM ** -0.5)
-
-
-def torch_flash(q, k, v, causal: bool):
-    return lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=DIM ** -0.5)
 
 
 def frontend_plans(cudnn, handle, q, k, v, mask: str) -> list[tuple[str, float]]:
@@ -88,7 +66,7 @@ def frontend_plans(cudnn, handle, q, k, v, mask: str) -> list[tuple[str, float]]
         try:
             workspace = torch.empty(max(1, graph.get_workspace_size_plan_at_index(i)), dtype=torch.uint8,
                                     device=q.device)
-            ms = time_ms(lambda: graph.execute_plan_at_index(pack, workspace, i, handle=handle))
+            ms = median_ms(lambda: graph.execute_plan_at_index(pack, workspace, i, handle=handle), REPEATS)
         except Exception as error:  # a plan that does not run is a result too
             results.append((f"{name} failed: {str(error).splitlines()[0][:100]}", float("nan")))
             continue
@@ -139,14 +117,16 @@ def main() -> None:
             for i in range(pieces):
                 end = (i + 1) * size
                 chunk_attention(chunk_q[i * size:end], k[:end], v[:end], DIM ** -0.5, out=out[i * size:end])
-        ms = time_ms(run)
+        ms = median_ms(run, REPEATS)
         print(f"  {pieces} pieces of {size:<44} {ms:9.3f} ms {causal_work / ms / 1e9:7.1f} TFLOP/s", flush=True)
     for name, q, k, v, mask, work in cases:
         print(f"\n{name}: {work / 1e12:.2f} TFLOP", flush=True)
         if mask != "bottom_right":
-            for label, make in (("torch cudnn", torch_cudnn), ("torch flash", torch_flash)):
+            for backend in ("cudnn", "flash"):
+                label = f"torch {backend}"
                 try:
-                    ms = time_ms(make(q, k, v, mask == "causal"))
+                    ms = median_ms(lambda: attention_lse(q, k, v, causal=mask == "causal", scale=DIM ** -0.5,
+                                                         backend=backend), REPEATS)
                     print(f"  {label:<60} {ms:9.3f} ms {work / ms / 1e9:7.1f} TFLOP/s", flush=True)
                 except Exception as error:
                     print(f"  {label:<60} failed: {str(error).splitlines()[0][:100]}", flush=True)
