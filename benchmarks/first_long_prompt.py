@@ -1,12 +1,12 @@
 """Where the first long prompt of a process spends the time the next ones do not.
 
-A freshly booted engine answers its first long prompt over a second later than the next one of
-about the same length (benchmarks/new_shape_ttft.py). This boots the engine as that script does,
+A freshly booted engine answers its first long prompt later than the next one of about the same
+length (benchmarks/new_shape_ttft.py). This boots the engine as that script does,
 sends a short prompt, then long prompts one at a time, each at a length not seen before, each
 under cProfile, and prints per prompt its time to first token and the functions with the most
 cumulative time: Triton compiling a kernel, PyTorch building a cuDNN plan (inside
-`attention_lse`), the allocator, and so on. Run it twice on a fresh machine to separate what the
-on-disk Triton cache saves from what every process pays.
+`attention_lse`), the allocator, and so on. Run it twice on a fresh machine to separate what
+on-disk caches (Triton's, the driver's) save from what every process pays.
 
     python benchmarks/first_long_prompt.py [--lengths 20011,23459,27103] [--top 14]
     python benchmarks/first_long_prompt.py --model dummy:smollm2-135m --device cpu --lengths 300,400 \

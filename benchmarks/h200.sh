@@ -169,7 +169,7 @@ run_stage() {
             timeout 90 python3 benchmarks/kernels/bench_kernels.py; } \
             > "$OUT/kernels.txt" 2>&1 ;;
     attn-shapes) timeout 150 python3 benchmarks/attention_shapes.py > "$OUT/attention_shapes.txt" 2>&1 ;;
-    first-long) # twice, in two processes: the first compiles Triton kernels into an empty cache
+    first-long) # twice, in two processes: the first finds every on-disk cache (Triton's, the driver's) empty
          for i in 1 2; do timeout 200 python3 benchmarks/first_long_prompt.py ${FIRST_LONG_ARGS:-} \
              > "$OUT/first_long_prompt_$i.txt" 2>&1; done ;;
     attn-plans) # the cuDNN frontend's wheel travels in .whl-fe, carried; fetch it here with
