@@ -46,7 +46,7 @@ def test_triton_entries_count_only_names_added_since_the_snapshot(tmp_path: Path
     for name in ("A", "B"):
         (cache / name).mkdir()
     (cache / "OLD").rmdir()
-    assert caches.built() == [{"cache": "triton", "path": str(cache), "entries_added": 2}]
+    assert caches.built() == [{"cache": "triton", "path": str(cache), "entries_added": 2, "cold": True}]
 
 
 @pytest.mark.slow

@@ -11,11 +11,14 @@ is boot-to-boot noise that the window's controls see. Triton's kernel cache is f
 are compiled: at warm-up and CUDA-graph capture, and at the first use of a new specialization
 while serving, so it can grow long after the engine is ready. Random `dummy:` weights are made in
 memory on every boot and reused by none, so they make no boot cold; nothing in the engine calls
-torch.compile, so torch's inductor caches are not watched. The KV file tier (`file_tier.py`) is
-an on-disk cache that fills while serving: the blocks this boot wrote into it are what a later
-boot with the same model and config finds instead of recomputing, so a boot that wrote any is
-cold, as one that compiled a kernel is, and a boot that only read blocks an earlier boot wrote is
-warm.
+torch.compile, so torch's inductor caches are not watched.
+
+The KV file tier (`file_tier.py`) is an on-disk cache that fills while serving, but of another
+kind: what a boot wrote there speeds up only a later request with the same prefix, not every
+later boot. It is listed with `"cold": false`, and makes no boot cold: a benchmark that never
+repeats a prompt across boots (the lab salts every request per boot) gains nothing from what an
+earlier boot wrote, and one that does repeat them reads its hits at `prefix_cache.hits_by_tier`.
+Every other entry has `"cold": true`.
 
 Triton keeps one top-level directory per compiled kernel hash, so the names added to its cache
 directory since the snapshot count the kernels compiled. Names added by another process sharing
@@ -102,17 +105,19 @@ class BuiltCaches:
 
     def built(self) -> list[dict[str, Any]]:
         """One entry per cache built since the snapshot, e.g. `{"cache": "weights", "path": ...,
-        "built": true}`, `{"cache": "triton", "path": ..., "entries_added": 14}`; empty when warm."""
+        "built": true, "cold": true}`, `{"cache": "triton", "path": ..., "entries_added": 14, "cold":
+        true}`; `cold` says whether it makes this process cold (see the module's docstring)."""
         found: list[dict[str, Any]] = []
         if self.weights_built_in is not None:
-            found.append({"cache": WEIGHTS, "path": self.weights_built_in, "built": True})
+            found.append({"cache": WEIGHTS, "path": self.weights_built_in, "built": True, "cold": True})
         for path in dict.fromkeys(self.products_written):
-            found.append({"cache": CPU_PRODUCTS, "path": path, "built": True})
+            found.append({"cache": CPU_PRODUCTS, "path": path, "built": True, "cold": True})
         for directory in self.watched:
             added = directory.entries_added()
             if added:
-                found.append({"cache": directory.cache, "path": str(directory.path), "entries_added": added})
+                found.append({"cache": directory.cache, "path": str(directory.path), "entries_added": added,
+                              "cold": True})
         if self.file_tier is not None and self.file_tier.blocks_queued:
             found.append({"cache": KV_FILE_TIER, "path": str(self.file_tier.path),
-                          "entries_added": self.file_tier.blocks_queued})
+                          "entries_added": self.file_tier.blocks_queued, "cold": False})
         return found

@@ -66,7 +66,7 @@ def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -
         "source_hash": engine.loaded.source_hash,
         # Cold: this boot built a cache that a later boot reuses, so it ran slower than that one will.
         # Kernels compiled while serving count, so a boot can turn cold after it answered first.
-        "cold": bool(built),
+        "cold": any(entry["cold"] for entry in built),
         "caches_built": built,
         "random_weights": engine.loaded.random_weights,
         "dtype": str(engine.dtype).removeprefix("torch."),
