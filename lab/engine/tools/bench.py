@@ -79,6 +79,10 @@ class BenchOptions:
 class Figure:
     name: str
     unit: str
+    # What it measures, for a program reading the JSON (the lab's offline instrument): "prefill"
+    # {length}, "decode" {batch}, "throughput" {requests, phase: output|decode}.
+    kind: str = ""
+    params: dict[str, int | str] = field(default_factory=dict)
     ours: float | None = None
     reference: dict[str, float] = field(default_factory=dict)  # implementation -> value
     floor_fraction: float | None = None  # share of the physical floor reached (1 = at the floor)
@@ -443,7 +447,7 @@ def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
         # long as the prefill would double minutes of it, beside which those plans are noise.
         engine_prefill_s(llm, prompts(n if n <= WARM_FULL_MAX else min(n, 2 * budget + 1)))
         secs = _median([engine_prefill_s(llm, ids) for ids in sets])
-        figures.append(Figure(f"prefill {n} tok", "tok/s", ours=n / secs,
+        figures.append(Figure(f"prefill {n} tok", "tok/s", "prefill", {"length": n}, ours=n / secs,
                               floor_fraction=prefill_floor_s(mc, n, ceilings) / secs))
 
     decode_b1_prompts = [prompts(opts.prompt_tokens)]
@@ -456,20 +460,22 @@ def run_bench(cfg: EngineConfig, opts: BenchOptions) -> int:
     b1_spec, before = spec_note(llm, before), spec_totals(llm)
     bc = [engine_decode(llm, decode_bc_prompts, opts.decode_tokens, ceilings, opts.decode_temperature)
           for _ in range(opts.repeats)]
-    figures.append(Figure("decode batch 1", "tok/s", ours=_median([r.tok_s for r in b1]),
+    figures.append(Figure("decode batch 1", "tok/s", "decode", {"batch": 1}, ours=_median([r.tok_s for r in b1]),
                           floor_fraction=_median_or_none([r.floor_fraction for r in b1 if r.floor_fraction]),
                           note=f"step {1e3 * _median([r.step_s for r in b1]):.2f} ms{b1_spec}",
                           runs=[r.tok_s for r in b1]))
-    figures.append(Figure(f"decode batch {opts.concurrency} (aggregate)", "tok/s",
-                          ours=_median([r.tok_s for r in bc]),
+    figures.append(Figure(f"decode batch {opts.concurrency} (aggregate)", "tok/s", "decode",
+                          {"batch": opts.concurrency}, ours=_median([r.tok_s for r in bc]),
                           floor_fraction=_median_or_none([r.floor_fraction for r in bc if r.floor_fraction]),
                           note=f"step {1e3 * _median([r.step_s for r in bc]):.2f} ms{spec_note(llm, before)}",
                           runs=[r.tok_s for r in bc]))
     for n in opts.throughput:
         run = engine_decode(llm, [prompts(opts.throughput_tokens) for _ in range(n)], opts.throughput_tokens,
                             ceilings)
-        figures.append(Figure(f"throughput {n} req: output (prefill incl.)", "tok/s", ours=run.overall_tok_s))
-        figures.append(Figure(f"throughput {n} req: decode phase", "tok/s", ours=run.tok_s,
+        figures.append(Figure(f"throughput {n} req: output (prefill incl.)", "tok/s", "throughput",
+                              {"requests": n, "phase": "output"}, ours=run.overall_tok_s))
+        figures.append(Figure(f"throughput {n} req: decode phase", "tok/s", "throughput",
+                              {"requests": n, "phase": "decode"}, ours=run.tok_s,
                               floor_fraction=run.floor_fraction,
                               note=f"step {1e3 * run.step_s:.2f} ms"))
 
