@@ -12,8 +12,10 @@ from lab.instruments.decode import DecodeInstrument
 from lab.instruments.memory import MemoryInstrument
 from lab.instruments.mixed import MixedInstrument
 from lab.instruments.needle import NeedleInstrument
+from lab.instruments.offline import OfflineInstrument
 from lab.instruments.prefill import PrefillInstrument
 from lab.instruments.qeval import QevalInstrument
+from lab.instruments.restart import RestartInstrument
 from lab.instruments.soak import SoakInstrument
 
 REGISTRY: dict[str, type[Instrument]] = {
@@ -25,4 +27,6 @@ REGISTRY: dict[str, type[Instrument]] = {
     MixedInstrument.name: MixedInstrument,
     MemoryInstrument.name: MemoryInstrument,
     SoakInstrument.name: SoakInstrument,
+    RestartInstrument.name: RestartInstrument,
+    OfflineInstrument.name: OfflineInstrument,
 }

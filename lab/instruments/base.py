@@ -25,6 +25,20 @@ Better = Literal["higher", "lower"]
 NOT_APPLICABLE = "not applicable: "
 
 
+class EngineControl(Protocol):
+    """What the runner lends an instrument that must act on the engine's process, not only speak
+    HTTP to it: restart it with the same argv and environment inside the same boot, or stop it for
+    an offline measurement of the same config. Both return once the engine answers again."""
+
+    async def restart(self) -> float:
+        """Stop the engine and start it again; the seconds from the stop to its first completion."""
+
+    async def offline(self, args: list[str]) -> dict[str, Any]:
+        """Stop the engine, run `lab engine bench` on the same config with `args`, start the
+        engine again; the bench's JSON. Raises NotImplementedError for engines the lab cannot
+        measure offline (any but the bundled one)."""
+
+
 class MemFloor(Protocol):
     """The host's MemAvailable since the engine started, as the runner samples it."""
 
@@ -64,6 +78,8 @@ class BootContext:
     # What the capability probe found at this boot (lab/instruments/capabilities.py); None when
     # the instrument runs outside `lab run`, against an engine taken to have every capability.
     capabilities: dict[str, Any] | None = None
+    # The runner's hold on the engine's process (restart, offline figures); None outside `lab run`.
+    engine: EngineControl | None = None
 
 
 class Instrument(Protocol):

@@ -162,11 +162,16 @@ class EngineExtras:
         response = await self._http.get(f"{self._ctx.base_url}/metrics")
         return response.text if response.status_code == 200 else None
 
+    async def stats(self) -> dict[str, Any] | None:
+        """The bundled engine's `/v1/stats` (its config, KV pool, cache and tier counters), or None."""
+        stats = await self._json("GET", f"{self._ctx.base_url}/v1/stats")
+        return stats if isinstance(stats, dict) else None
+
     async def random_weights(self) -> bool | None:
         """Whether the engine serves random weights (the bundled engine's `dummy:<preset>` models), as
         `/v1/stats` says through `random_weights` or a `dummy:` source; None when it cannot say."""
-        stats = await self._json("GET", f"{self._ctx.base_url}/v1/stats")
-        if not isinstance(stats, dict):
+        stats = await self.stats()
+        if stats is None:
             return None
         if isinstance(stats.get("random_weights"), bool):
             return stats["random_weights"]

@@ -30,11 +30,7 @@ def launch(ladder: Ladder, arm: ArmSpec, port: int, host: str = HOST) -> Launch:
     engine = ladder.engine
     if isinstance(engine, BundledEngine):
         argv = [sys.executable, "-m", "lab.engine", "serve", "--host", host, "--port", str(port),
-                "--model", engine.model]
-        for name, value in arm.flags.items():
-            knob = engine_config.knob_from_flag(name)
-            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
-            argv += [engine_config.flag_name(knob or name), text]
+                *_bundled_flags(engine, arm)]
         base = f"http://{host}:{port}"
         return Launch(argv, dict(arm.env), base, base + "/v1", engine.model, None, arm.config_hash)
 
@@ -48,3 +44,21 @@ def launch(ladder: Ladder, arm: ArmSpec, port: int, host: str = HOST) -> Launch:
     base_url = api_base[: -len("/v1")] if api_base.endswith("/v1") else api_base
     return Launch(argv, dict(arm.env), base_url, api_base, engine.served_model_name or engine.model,
                   engine.api_key, None)
+
+
+def offline_argv(ladder: Ladder, arm: ArmSpec) -> list[str] | None:
+    """`lab engine bench` on exactly the arm's model and knobs (its environment is the launch's);
+    None for an engine the lab cannot run offline: only the bundled one has a bench."""
+    engine = ladder.engine
+    if not isinstance(engine, BundledEngine):
+        return None
+    return [sys.executable, "-m", "lab.engine", "bench", *_bundled_flags(engine, arm)]
+
+
+def _bundled_flags(engine: BundledEngine, arm: ArmSpec) -> list[str]:
+    argv = ["--model", engine.model]
+    for name, value in arm.flags.items():
+        knob = engine_config.knob_from_flag(name)
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        argv += [engine_config.flag_name(knob or name), text]
+    return argv

@@ -22,6 +22,7 @@ from lab.ladder import launch as arm_launch
 from lab.ladder.ladder import BundledEngine, Ladder
 from lab.ladder.render import Plan
 from lab.runner import boot as engine_boot
+from lab.runner.engine_control import ProcessControl
 from lab.runner.fingerprint import engine_version
 from lab.runner.hygiene import wait_for_memory
 from lab.runner.mem_sampler import MemSampler
@@ -206,7 +207,8 @@ def _recheck_cold(rc: RunContext, proc: engine_boot.EngineProcess, spec: arm_lau
         return
     fields: dict[str, Any] = {"engine_stats": {**at_ready, "caches_built_before_stop": built}}
     by_ready = at_ready.get("caches_built") or []
-    after = _built_since(by_ready, built)
+    # A cache only a request with the same prefix gains from (a KV file tier) makes no boot cold.
+    after = [entry for entry in _built_since(by_ready, built) if entry.get("cold", True)]
     if after:
         fields.update(cold=True, reason=_cold_reason(by_ready, after))
         log.info("%s built %s after ready: cold", label, _describe(after))
@@ -253,6 +255,10 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
     done = reader.stored_steps(rc.store, slot.id)
     controls = reader.warm_control_boots(rc.store, rc.run_id, slot.window or "", slot.idx)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/{attempt}/{boot_id}".encode()).hexdigest()[:12]
+    engine = rc.ladder.engine
+    control = ProcessControl(rc.store, boot_id, proc, spec, engine.ready_timeout_s, engine.stop_grace_s,
+                             arm_launch.offline_argv(rc.ladder, rc.plan.arm(slot.arm.name)),
+                             status=lambda text: rc.status(f"{label}: {text}"))
     for name, params in rc.ladder.instruments.sections():
         instrument = rc.instruments[name]
         ctx = BootContext(base_url=spec.base_url, api_base=spec.api_base, model=spec.model, api_key=spec.api_key,
@@ -261,7 +267,7 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
                           position=slot.position, salt=salt,  # type: ignore[arg-type]
                           engine_kind=rc.ladder.engine.kind, params=params, stored=StoredRows(rc.store),
                           control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
-                          log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps)
+                          log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps, engine=control)
         refused = capabilities.refusal(name, caps)
         for n, step in enumerate(instrument.plan(params)):
             if (name, step.key) in done:
