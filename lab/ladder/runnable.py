@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 
 from lab.engine.core import config as engine_config
-from lab.engine.model.model_config import PRESETS
+from lab.engine.model_config import PRESETS
 from lab.instruments import REGISTRY, local_tokenizer
 from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 from lab.ladder import render

@@ -11,7 +11,7 @@ is boot-to-boot noise that the window's controls see. Triton's kernel cache is f
 are compiled: at warm-up and CUDA-graph capture, and at the first use of a new specialization
 while serving, so it can grow long after the engine is ready. Random `dummy:` weights are made in
 memory on every boot and reused by none, so they make no boot cold; nothing in the engine calls
-torch.compile, so torch's inductor caches are not watched. The KV file tier (`file_tier.py`) is
+torch.compile, so torch's inductor caches are not watched. The KV file tier (`kv/file_tier.py`) is
 an on-disk cache that fills while serving: the blocks this boot wrote into it are what a later
 boot with the same model and config finds instead of recomputing, so a boot that wrote any is
 cold, as one that compiled a kernel is, and a boot that only read blocks an earlier boot wrote is
