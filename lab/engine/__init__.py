@@ -19,6 +19,8 @@ Layers, from the bottom up; a layer imports only those below it (tests/test_boun
 - the rest of `core/` (the scheduler, the step loop, the model runner);
 - `serve/` (`LLM`, the async engine, the HTTP server), then `tools/` (`lab engine bench` and its
   transformers reference).
+
+`settings.py` is the contract with the lab: the one engine module the rest of lab imports.
 """
 
 from __future__ import annotations

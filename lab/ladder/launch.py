@@ -6,7 +6,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from lab.engine.core import config as engine_config
+from lab.engine import settings as engine_settings
 from lab.ladder.ladder import BundledEngine, Ladder
 from lab.ladder.render import ArmSpec, render_command_flags
 
@@ -32,9 +32,9 @@ def launch(ladder: Ladder, arm: ArmSpec, port: int, host: str = HOST) -> Launch:
         argv = [sys.executable, "-m", "lab.engine", "serve", "--host", host, "--port", str(port),
                 "--model", engine.model]
         for name, value in arm.flags.items():
-            knob = engine_config.knob_from_flag(name)
+            knob = engine_settings.knob_from_flag(name)
             text = ("true" if value else "false") if isinstance(value, bool) else str(value)
-            argv += [engine_config.flag_name(knob or name), text]
+            argv += [engine_settings.flag_name(knob or name), text]
         base = f"http://{host}:{port}"
         return Launch(argv, dict(arm.env), base, base + "/v1", engine.model, None, arm.config_hash)
 
