@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lab.engine.core.file_tier import FileTier
+from lab.engine.kv.file_tier import FileTier
 
 SHAPE = (32, 2, 16, 8, 128)
 IDENTITY = {"model": "file-tier-io", "block_size": 16}

@@ -1,11 +1,13 @@
-"""The import boundaries that keep the layers apart: the engine never imports the lab, instruments
-never import the engine (they speak HTTP), only the store talks to the database and it needs
-nothing of the lab above it, and analysis and reports never reach into the runner. Checked on every
-module's import statements."""
+"""The import boundaries that keep the layers apart: the engine never imports the lab, and inside
+it each layer imports only the layers below it; the lab imports nothing of the engine but its
+settings module; instruments never import the engine (they speak HTTP), only the store talks to
+the database and it needs nothing of the lab above it, and analysis and reports never reach into
+the runner. Checked on every module's import statements."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,114 @@ def imported_modules(path: Path) -> set[str]:
 def test_engine_imports_nothing_of_the_lab(path: Path) -> None:
     outside = {m for m in imported_modules(path) if m.startswith("lab") and not m.startswith("lab.engine")}
     assert not outside, f"{path.relative_to(LAB)} imports {sorted(outside)}"
+
+
+def _is_module(name: str) -> bool:
+    path = LAB.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_lab_modules(path: Path) -> set[str]:
+    """The lab modules `path` imports, `from package import module` naming the module itself."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.update(f"{node.module}.{alias.name}" if _is_module(f"{node.module}.{alias.name}") else node.module
+                         for alias in node.names)
+    return {name for name in names if name == "lab" or name.startswith("lab.")}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(LAB.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# The engine's layers, from the bottom up. A module is in the layer of its own entry, else of its
+# package's (`lab.engine` itself is only the package's __init__). Core's config, sampling params,
+# sequence and sampler are a layer of their own: kv and spec are written against them, and the
+# rest of core drives kv and spec.
+ENGINE_LAYERS = {
+    "lab.engine.kernels": "kernels",
+    "lab.engine.model_config": "leaves",
+    "lab.engine.cache_dir": "leaves",
+    "lab.engine.model": "model",
+    "lab.engine.weights": "weights",
+    "lab.engine.core.config": "core base",
+    "lab.engine.core.sampling_params": "core base",
+    "lab.engine.core.sequence": "core base",
+    "lab.engine.core.sampler": "core base",
+    "lab.engine.kv": "kv",
+    "lab.engine.spec": "spec",
+    "lab.engine.core": "core",
+    "lab.engine.serve": "serve",
+    "lab.engine.tools": "tools",
+    "lab.engine.settings": "settings",
+    "lab.engine": "entry points",
+    "lab.engine.__main__": "entry points",
+}
+
+# The layers each layer may import besides itself. model and weights never import each other, nor
+# do kv and spec.
+_BELOW_KV = {"kernels", "leaves", "model", "weights", "core base"}
+ENGINE_MAY_IMPORT: dict[str, set[str]] = {
+    "kernels": set(),
+    "leaves": set(),
+    "model": {"kernels", "leaves"},
+    "weights": {"leaves"},
+    "core base": {"kernels", "leaves", "model", "weights"},
+    "kv": _BELOW_KV,
+    "spec": _BELOW_KV,
+    "core": _BELOW_KV | {"kv", "spec"},
+    "serve": _BELOW_KV | {"kv", "spec", "core"},
+    "tools": _BELOW_KV | {"kv", "spec", "core", "serve"},
+    "settings": {"leaves", "core base"},
+    "entry points": _BELOW_KV | {"kv", "spec", "core", "serve", "tools", "settings"},
+}
+
+
+def engine_layer(module: str) -> str | None:
+    """The layer of an engine module, or None when ENGINE_LAYERS names neither it nor its package."""
+    parts = module.split(".")
+    for n in range(len(parts), 2, -1):
+        if (layer := ENGINE_LAYERS.get(".".join(parts[:n]))) is not None:
+            return layer
+    return ENGINE_LAYERS.get(module)
+
+
+def test_the_engine_layers_form_no_cycle() -> None:
+    """A boundary failure is not fixed by letting a layer import one that may import it."""
+    try:
+        list(graphlib.TopologicalSorter(ENGINE_MAY_IMPORT).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"engine layers that may import each other: {exc.args[1]}")
+
+
+@pytest.mark.parametrize("path", sorted((LAB / "engine").rglob("*.py")), ids=lambda p: str(p.relative_to(LAB)))
+def test_each_engine_module_imports_only_the_layers_below_its_own(path: Path) -> None:
+    module = _module_name(path)
+    layer = engine_layer(module)
+    assert layer is not None, f"{module} is in no layer: add it (or its package) to ENGINE_LAYERS"
+    above = {m: engine_layer(m) for m in imported_lab_modules(path)
+             if engine_layer(m) not in ENGINE_MAY_IMPORT[layer] | {layer}}
+    assert not above, (f"{path.relative_to(LAB)} ({layer}) imports {above}; {layer} may import only "
+                       f"{sorted(ENGINE_MAY_IMPORT[layer])}")
+
+
+# What the rest of lab may import of the engine: its settings, and the CLI's `lab engine` runs the
+# engine's own entry point in-process.
+LAB_MAY_IMPORT_OF_THE_ENGINE = {"lab.engine.settings"}
+CLI_MAY_IMPORT_OF_THE_ENGINE = LAB_MAY_IMPORT_OF_THE_ENGINE | {"lab.engine.__main__"}
+
+
+@pytest.mark.parametrize("path", [p for p in sorted(LAB.rglob("*.py")) if not p.is_relative_to(LAB / "engine")],
+                         ids=lambda p: str(p.relative_to(LAB)))
+def test_the_lab_imports_only_the_engine_s_settings(path: Path) -> None:
+    allowed = CLI_MAY_IMPORT_OF_THE_ENGINE if path == LAB / "cli.py" else LAB_MAY_IMPORT_OF_THE_ENGINE
+    engine = {m for m in imported_lab_modules(path) if m == "lab.engine" or m.startswith("lab.engine.")}
+    assert engine <= allowed, (f"{path.relative_to(LAB)} imports {sorted(engine - allowed)}: the lab imports the "
+                               f"engine through lab.engine.settings only")
 
 
 @pytest.mark.parametrize("path", sorted((LAB / "instruments").rglob("*.py")), ids=lambda p: str(p.relative_to(LAB)))
@@ -89,6 +199,14 @@ def test_the_engine_api_imports_without_the_server_and_its_config_without_torch(
             "assert LLM.__name__ == 'LLM' and EngineConfig().max_num_seqs > 0 and SamplingParams().max_tokens; "
             "loaded = [m for m in ('fastapi', 'uvicorn', 'lab.engine.serve.server') if m in sys.modules]; "
             "assert not loaded, loaded")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_engine_settings_the_lab_imports_load_without_torch() -> None:
+    code = ("import sys; from lab.engine import settings; assert 'torch' not in sys.modules, 'torch'; "
+            "assert settings.from_sources({'max-num-seqs': 7}, {}).max_num_seqs == 7; "
+            "assert settings.PRESETS['smollm2-135m'].max_position_embeddings > 0")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 

@@ -6,10 +6,21 @@ Public API: `LLM` (offline generation), `SamplingParams` and `EngineConfig`:
     from lab.engine import LLM, SamplingParams
     LLM("smollm2-135m").generate(["The capital of France is"], SamplingParams(max_tokens=8))
 
-Packages, from the bottom up: `kernels/` (Triton), `model/` (the decoder and its attention
-paths), `weights/` (loading weights and tokenizers), `core/` (config, scheduler, block manager,
-the step loop), `serve/` (`LLM`, the async engine, the HTTP server), `tools/` (`lab engine bench`
-and its transformers reference).
+Layers, from the bottom up; a layer imports only those below it (tests/test_boundaries.py):
+- `kernels/`: the Triton kernels;
+- `model_config.py` (model shapes and presets) and `cache_dir.py` (where on-disk caches live):
+  leaves that `model/` and `weights/` share;
+- `model/` (the decoder, its attention paths and the step's attention metadata) beside
+  `weights/` (loading weights and tokenizers): neither imports the other;
+- `core/config.py`, `core/sampling_params.py`, `core/sequence.py` and `core/sampler.py`: the
+  config, a request's state and the sampler, which `kv/` and `spec/` are written against;
+- `kv/` (the block manager, the prefix cache and its host-memory and file tiers) beside `spec/`
+  (speculative decoding: prompt-lookup drafts and their verification);
+- the rest of `core/` (the scheduler, the step loop, the model runner);
+- `serve/` (`LLM`, the async engine, the HTTP server), then `tools/` (`lab engine bench` and its
+  transformers reference).
+
+`settings.py` is the contract with the lab: the one engine module the rest of lab imports.
 """
 
 from __future__ import annotations

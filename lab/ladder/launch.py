@@ -6,7 +6,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from lab.engine.core import config as engine_config
+from lab.engine import settings as engine_settings
 from lab.ladder.ladder import BundledEngine, Ladder
 from lab.ladder.render import ArmSpec, render_command_flags
 
@@ -58,7 +58,7 @@ def offline_argv(ladder: Ladder, arm: ArmSpec) -> list[str] | None:
 def _bundled_flags(engine: BundledEngine, arm: ArmSpec) -> list[str]:
     argv = ["--model", engine.model]
     for name, value in arm.flags.items():
-        knob = engine_config.knob_from_flag(name)
+        knob = engine_settings.knob_from_flag(name)
         text = ("true" if value else "false") if isinstance(value, bool) else str(value)
-        argv += [engine_config.flag_name(knob or name), text]
+        argv += [engine_settings.flag_name(knob or name), text]
     return argv

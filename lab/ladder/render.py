@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lab.engine.core import config as engine_config
+from lab.engine import settings as engine_settings
 from lab.ladder.ladder import Arm, BundledEngine, CommandEngine, Ladder
 
 Role = Literal["warmup", "control", "arm"]
@@ -67,9 +67,9 @@ def merged(ladder: Ladder, arm: Arm | None) -> tuple[dict[str, Any], dict[str, s
     return flags, env
 
 
-def bundled_config(engine: BundledEngine, flags: dict[str, Any], env: dict[str, str]) -> engine_config.EngineConfig:
+def bundled_config(engine: BundledEngine, flags: dict[str, Any], env: dict[str, str]) -> engine_settings.EngineConfig:
     """The config the bundled engine will compute from this argv and environment (raises ConfigError)."""
-    return engine_config.from_sources({**flags, "model": engine.model}, env)
+    return engine_settings.from_sources({**flags, "model": engine.model}, env)
 
 
 def command_recipe(engine: CommandEngine, flags: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:

@@ -17,8 +17,7 @@ from typing import Any
 
 import psutil
 
-from lab.engine.core import config as engine_config
-from lab.engine.model.model_config import PRESETS
+from lab.engine import settings as engine_settings
 from lab.instruments import REGISTRY, local_tokenizer
 from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 from lab.ladder import render
@@ -158,12 +157,12 @@ def _context(ladder: Ladder, arm: Any) -> int | None:
     flags, env = render.merged(ladder, arm)
     try:
         config = render.bundled_config(engine, flags, env)
-    except engine_config.ConfigError:
+    except engine_settings.ConfigError:
         return None  # refused by validate already, at the knob's line
     if config.max_model_len:
         return config.max_model_len
     preset = config.model.removeprefix(RANDOM_WEIGHTS_SOURCE)
-    model = PRESETS.get(preset)
+    model = engine_settings.PRESETS.get(preset)
     return model.max_position_embeddings if model is not None else None
 
 

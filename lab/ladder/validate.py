@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from lab.engine.core import config as engine_config
+from lab.engine import settings as engine_settings
 from lab.instruments import REGISTRY
 from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 from lab.ladder import render
@@ -136,7 +136,7 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     base_problems = _env(("engine", "env"), engine.env, located)
     if isinstance(engine, BundledEngine):
         base_problems += _bundled_flags(("engine",), engine.flags, engine.env, located)
-        if "model" in {engine_config.knob_from_flag(k) for k in engine.flags}:
+        if "model" in {engine_settings.knob_from_flag(k) for k in engine.flags}:
             base_problems.append(Problem(located.line(("engine", "flags", "model")), "set the model with engine.model"))
     else:
         base_problems += _command(engine, located)
@@ -170,7 +170,7 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
 def _process_env(ladder: Ladder, arm: Any) -> dict[str, str]:
     env = render.merged(ladder, arm)[1]
     if isinstance(ladder.engine, BundledEngine):
-        return {k: v for k, v in env.items() if not k.startswith(engine_config.ENV_PREFIX)}
+        return {k: v for k, v in env.items() if not k.startswith(engine_settings.ENV_PREFIX)}
     return env
 
 
@@ -223,20 +223,20 @@ def _bundled_flags(where: tuple[Any, ...], flags: dict[str, Any], env: dict[str,
     problems = []
     for name, value in flags.items():
         line = located.line(where + ("flags", name))
-        knob = engine_config.knob_from_flag(name)
+        knob = engine_settings.knob_from_flag(name)
         if knob is None:
             problems.append(Problem(line, f"unknown flag {name!r} for the bundled engine "
                                           "(`lab engine serve --help` lists them)"))
             continue
         problems += _coerce(knob, value, line)
     for name, value in env.items():
-        if not name.startswith(engine_config.ENV_PREFIX):
+        if not name.startswith(engine_settings.ENV_PREFIX):
             continue
         line = located.line(where + ("env", name))
-        knob = engine_config.knob_from_env(name)
+        knob = engine_settings.knob_from_env(name)
         if knob is None:
             problems.append(Problem(line, f"unknown engine variable {name!r}: no knob "
-                                          f"{name[len(engine_config.ENV_PREFIX):].lower()!r} in the bundled engine"))
+                                          f"{name[len(engine_settings.ENV_PREFIX):].lower()!r} in the bundled engine"))
             continue
         problems += _coerce(knob, render.env_value(value), line, env_var=name)
     return problems
@@ -244,8 +244,8 @@ def _bundled_flags(where: tuple[Any, ...], flags: dict[str, Any], env: dict[str,
 
 def _coerce(knob: str, value: Any, line: int, env_var: str | None = None) -> list[Problem]:
     try:
-        engine_config.coerce(knob, value)
-    except engine_config.ConfigError as exc:
+        engine_settings.coerce(knob, value)
+    except engine_settings.ConfigError as exc:
         reason = str(exc)
         if env_var:  # the engine's message names the flag; the ladder wrote the variable
             reason = f"{env_var}: {reason.split(': ', 1)[-1]}"
@@ -262,7 +262,7 @@ def _arm_config(ladder: Ladder, arm: Any, where: tuple[Any, ...], located: Locat
         return render.command_recipe(engine, flags, env)
     try:
         return render.bundled_config(engine, flags, env).to_dict()
-    except engine_config.ConfigError as exc:
+    except engine_settings.ConfigError as exc:
         sources = ([(where, arm)] if arm else []) + [(("engine",), engine)]
         line = _line_of_knob(str(exc), sources, located) or located.line(where)
         problems.append(Problem(line, f"{arm.name if arm else 'the base engine'}: {exc}"))
@@ -272,13 +272,13 @@ def _arm_config(ladder: Ladder, arm: Any, where: tuple[Any, ...], located: Locat
 def _line_of_knob(message: str, sources: list[tuple[tuple[Any, ...], Any]], located: Located) -> int | None:
     """Line of the flag or variable that set the knob a config error names, the arm's first."""
     match = re.match(r"--([a-z0-9-]+)", message)
-    knob = engine_config.knob_from_flag(match.group(1)) if match else None
+    knob = engine_settings.knob_from_flag(match.group(1)) if match else None
     for path, source in sources if knob else []:
         for key in source.flags:
-            if engine_config.knob_from_flag(key) == knob:
+            if engine_settings.knob_from_flag(key) == knob:
                 return located.line(path + ("flags", key))
         for key in source.env:
-            if engine_config.knob_from_env(key) == knob:
+            if engine_settings.knob_from_env(key) == knob:
                 return located.line(path + ("env", key))
     return None
 
@@ -351,7 +351,7 @@ def _random_weights(ladder: Ladder) -> str | None:
         flags, _ = render.merged(ladder, arm)
         if isinstance(engine, BundledEngine):
             # The engine takes the last --model it is given, and an arm's model flag follows engine.model.
-            models = [engine.model] + [str(v) for k, v in flags.items() if engine_config.knob_from_flag(k) == "model"]
+            models = [engine.model] + [str(v) for k, v in flags.items() if engine_settings.knob_from_flag(k) == "model"]
             found = models[-1] if models[-1].startswith(RANDOM_WEIGHTS_SOURCE) else None
         else:
             argv = [*engine.command, *render.render_command_flags(engine, flags)]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import httpx
 import psutil
 
-from lab.engine.core.config import ENV_PREFIX
+from lab.engine.settings import ENV_PREFIX
 
 LOG_TAIL_LINES = 50
 

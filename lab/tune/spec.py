@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError, model_validator
 
-from lab.engine.core import config as engine_config
+from lab.engine import settings as engine_settings
 from lab.instruments import REGISTRY
 from lab.ladder.errors import LadderError, Problem
 from lab.ladder.ladder import Engine, Gate, Hygiene, Instruments, MetricRef, Name, Scalar, Strict
@@ -145,11 +145,11 @@ def _rules(tune: TuneFile, located: Located) -> list[Problem]:
         if param.name in seen:
             problems.append(Problem(located.line(("space", i)), f"space[{i}]: {param.name} is searched twice"))
         seen.add(param.name)
-        if bundled and param.flag and engine_config.knob_from_flag(param.flag) is None:
+        if bundled and param.flag and engine_settings.knob_from_flag(param.flag) is None:
             problems.append(Problem(located.line(("space", i, "flag")),
                                     f"space[{i}].flag: the bundled engine has no flag --{param.flag}"))
-        if bundled and param.env and param.env.startswith(engine_config.ENV_PREFIX) and \
-                engine_config.knob_from_env(param.env) is None:
+        if bundled and param.env and param.env.startswith(engine_settings.ENV_PREFIX) and \
+                engine_settings.knob_from_env(param.env) is None:
             problems.append(Problem(located.line(("space", i, "env")),
                                     f"space[{i}].env: the bundled engine reads no {param.env}"))
     produced = {name: REGISTRY[name]().metrics(params) for name, params in tune.instruments.sections()}

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from lab.engine.core.attention_metadata import AttentionMetadata, build_metadata
 from lab.engine.kernels.cache_dtypes import FP8_DTYPES
 from lab.engine.model import layers
 from lab.engine.model.attention import TorchAttention
+from lab.engine.model.attention_metadata import AttentionMetadata, build_metadata
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The step's attention metadata (lab/engine/core/attention_metadata.py): every new token's cache
+"""The step's attention metadata (lab/engine/model/attention_metadata.py): every new token's cache
 slot, lengths and offsets, whether the slots come from the Python loop (short steps) or the
 vectorised gather (long chunks)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab.engine.core.attention_metadata import LOOP_TOKENS, build_metadata
+from lab.engine.model.attention_metadata import LOOP_TOKENS, build_metadata
 
 BLOCK = 16
 

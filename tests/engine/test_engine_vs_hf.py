@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab.engine.core.attention_metadata import build_metadata
 from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.model.attention_metadata import build_metadata
 from lab.engine.serve.llm import LLM
 from tests.engine.prompts import all_prompts
 

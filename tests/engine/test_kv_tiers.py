@@ -13,10 +13,10 @@ import httpx
 import pytest
 import torch
 
-from lab.engine.core.block_manager import chain_hash
 from lab.engine.core.config import ConfigError, from_sources
-from lab.engine.core.file_tier import HEADER_BYTES, MAGIC, FileTier, record_bytes
 from lab.engine.core.sampling_params import SamplingParams
+from lab.engine.kv.block_manager import chain_hash
+from lab.engine.kv.file_tier import HEADER_BYTES, MAGIC, FileTier, record_bytes
 from lab.engine.serve.llm import LLM
 from tests.engine.server_process import engine_server
 
@@ -92,7 +92,7 @@ def test_restart_reads_the_file_and_a_corrupt_block_is_never_loaded(plain, tmp_p
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
-    caplog.set_level(logging.WARNING, logger="lab.engine.core.file_tier")
+    caplog.set_level(logging.WARNING, logger="lab.engine.kv.file_tier")
     third = LLM("smollm2-135m", **knobs)
     out = third.generate(FIRST, GREEDY)[0]
     assert out.token_ids == plain[0] and out.num_cached_tokens == 3 * 16
@@ -103,7 +103,7 @@ def test_restart_reads_the_file_and_a_corrupt_block_is_never_loaded(plain, tmp_p
 
 @pytest.mark.slow
 def test_a_full_disk_turns_the_file_tier_off_and_the_engine_serves_on(plain, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="lab.engine.core.file_tier")
+    caplog.set_level(logging.WARNING, logger="lab.engine.kv.file_tier")
     llm = LLM("smollm2-135m", **SMALL, kv_file_tier_bytes=64 << 20, kv_file_tier_path="/dev/full")
     assert llm.generate(FIRST, GREEDY)[0].token_ids == plain[0]
     assert not llm.engine.tiers.file.enabled and "No space left" in llm.engine.tiers.file.disabled
@@ -216,7 +216,7 @@ def test_damaged_or_foreign_tier_files_are_ignored_with_one_warning(tmp_path: Pa
     elif damage == "header":
         raw[len(MAGIC) + 12] ^= 1
     path.write_bytes(bytes(raw))
-    caplog.set_level(logging.WARNING, logger="lab.engine.core.file_tier")
+    caplog.set_level(logging.WARNING, logger="lab.engine.kv.file_tier")
     other = tier(path, **({"config_hash": "def"} if damage == "identity" else {}))
     assert len(other) == 0 and other.enabled and all(other.get(h, tk) is None for h, tk, _ in blocks(3))
     assert len(caplog.records) == 1 and why in caplog.records[0].message
@@ -226,7 +226,7 @@ def test_damaged_or_foreign_tier_files_are_ignored_with_one_warning(tmp_path: Pa
 def test_a_file_that_is_not_a_tier_file_is_left_untouched(tmp_path: Path, caplog) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("not mine\n")
-    caplog.set_level(logging.WARNING, logger="lab.engine.core.file_tier")
+    caplog.set_level(logging.WARNING, logger="lab.engine.kv.file_tier")
     t = tier(path)
     h, tokens, data = blocks(1)[0]
     t.put(h, tokens, data)
@@ -237,7 +237,7 @@ def test_a_file_that_is_not_a_tier_file_is_left_untouched(tmp_path: Path, caplog
 def test_a_file_size_limit_reached_mid_write_turns_the_tier_off(tmp_path: Path, caplog) -> None:
     path = tmp_path / "t.kvtier"
     t = tier(path)
-    caplog.set_level(logging.WARNING, logger="lab.engine.core.file_tier")
+    caplog.set_level(logging.WARNING, logger="lab.engine.kv.file_tier")
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     # The kernel refuses to grow any file of this process past 2.5 records (Python ignores SIGXFSZ).
     resource.setrlimit(resource.RLIMIT_FSIZE, (HEADER_BYTES + 5 * t.record // 2, hard))

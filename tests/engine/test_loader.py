@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from lab.engine.model.model_config import PRESETS
+from lab.engine.model_config import PRESETS
 from lab.engine.weights.loader import ModelLoadError, load_model, weight_shapes
 from lab.engine.weights.tokenizer import BYTE_TO_CHAR, Tokenizer
 from lab.engine.weights.weights_gguf import read_gguf

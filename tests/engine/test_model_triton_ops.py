@@ -28,10 +28,10 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _compare_steps() -> list[float]:
-    from lab.engine.core.attention_metadata import build_metadata
     from lab.engine.kernels import gemv, rmsnorm, silu_mul
     from lab.engine.kernels.rope_kv_write import rope_and_write_kv
     from lab.engine.model.attention import TorchAttention
+    from lab.engine.model.attention_metadata import build_metadata
     from lab.engine.model.model import Model, Ops, SkinnyOps
     from lab.engine.model.triton_attention import TritonAttention
     from lab.engine.weights.loader import load_model

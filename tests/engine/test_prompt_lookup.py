@@ -11,11 +11,11 @@ import torch
 from scipy.stats import chisquare
 
 from lab.engine.core.config import ConfigError, EngineConfig
-from lab.engine.core.prompt_lookup import FIRST_PAUSE, MAX_PAUSE, PATIENCE, Backoff, PromptLookup, find_draft
-from lab.engine.core.rejection_sampler import verify
 from lab.engine.core.sampling_params import SamplingParams
 from lab.engine.core.sequence import Sequence
 from lab.engine.serve.llm import LLM
+from lab.engine.spec.prompt_lookup import FIRST_PAUSE, MAX_PAUSE, PATIENCE, Backoff, PromptLookup, find_draft
+from lab.engine.spec.rejection_sampler import verify
 from lab.instruments.decode import spec_cells, spec_counters
 from tests.engine.prompts import SHARED_PREFIX
 from tests.engine.server_process import engine_server

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lab.engine.model.model_config import PRESETS
 from lab.engine.model.roofline import Ceilings, decode_step_floor_s, decode_step_part_floors_s
+from lab.engine.model_config import PRESETS
 
 CEILINGS = Ceilings(copy_bytes_per_s=4.25e12, matmul_flops_per_s=750e12, device="cuda", dtype="bfloat16")
 LLAMA = PRESETS["llama3-8b"]

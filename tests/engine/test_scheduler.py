@@ -3,11 +3,11 @@ policies and preemption."""
 
 from __future__ import annotations
 
-from lab.engine.core.block_manager import BlockManager
 from lab.engine.core.config import EngineConfig
 from lab.engine.core.sampling_params import SamplingParams
 from lab.engine.core.scheduler import Scheduler
 from lab.engine.core.sequence import Sequence
+from lab.engine.kv.block_manager import BlockManager
 
 BS = 16
 

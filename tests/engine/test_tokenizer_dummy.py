@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from lab.engine.model.model_config import PRESETS
+from lab.engine.model_config import PRESETS
 from lab.engine.weights.loader import load_model
 from lab.engine.weights.tokenizer import Tokenizer
 from lab.engine.weights.tokenizer_dummy import dummy_tokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from lab.engine.core import config as engine_config
+from lab.engine import settings as engine_settings
 from lab.ladder.launch import launch
 from lab.ladder.render import plan
 from lab.ladder.validate import parse_ladder
@@ -71,9 +71,9 @@ def test_bundled_arm_is_base_plus_its_change_and_hash_is_the_engines() -> None:
     c1 = p.arm("C1")
     assert c1.change == {"flags": {"max-num-batched-tokens": 512}, "env": {}}
     assert c1.flags == {"device": "cpu", "max-num-batched-tokens": 512, "enable-prefix-caching": True}
-    expected = engine_config.from_sources({"device": "cpu", "max_num_batched_tokens": 512,
-                                           "enable_prefix_caching": True, "model": "smollm2-135m"},
-                                          {"LAB_ENGINE_SEED": "7"})
+    expected = engine_settings.from_sources({"device": "cpu", "max_num_batched_tokens": 512,
+                                             "enable_prefix_caching": True, "model": "smollm2-135m"},
+                                            {"LAB_ENGINE_SEED": "7"})
     assert c1.config_hash == expected.hash
     c2 = p.arm("C2")
     assert c2.env == {"LAB_ENGINE_SEED": "7", "OMP_NUM_THREADS": "2", "LAB_ENGINE_MAX_NUM_SEQS": "8"}

@@ -10,7 +10,7 @@ import psutil
 import pytest
 from sqlalchemy import select
 
-from lab.engine.core import config as engine_config
+from lab.engine import settings as engine_settings
 from lab.store import models as m
 from lab.store.db import open_store
 from tests.lab.conftest import lab_process
@@ -39,7 +39,7 @@ LADDER = """\
 
 
 def expected_hash(**flags: object) -> str:
-    return engine_config.from_sources({**BASE_FLAGS, **flags, "model": "smollm2-135m"}, {}).hash
+    return engine_settings.from_sources({**BASE_FLAGS, **flags, "model": "smollm2-135m"}, {}).hash
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,8 @@ def test_boot_whose_config_differs_from_the_arm_is_refused(tmp_path: Path, lab) 
     store = open_store(str(tmp_path / "lab.db"))
     with store.session() as s:
         boots = s.scalars(select(m.Boot)).all()
-        booted = engine_config.from_sources({**BASE_FLAGS, "model": "smollm2-135m"},
-                                            {"LAB_ENGINE_MAX_NUM_SEQS": "7"}).hash
+        booted = engine_settings.from_sources({**BASE_FLAGS, "model": "smollm2-135m"},
+                                              {"LAB_ENGINE_MAX_NUM_SEQS": "7"}).hash
         assert [b.status for b in boots] == ["refused"] * 3  # and the ladder went on to the next boot
         assert boots[0].reason == f"booted config hash {booted} != expected {expected_hash()}"
         assert boots[0].engine_stats["config"]["max_num_seqs"] == 7

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lab.engine.core.attention_metadata import AttentionMetadata
+from lab.engine.model.attention_metadata import AttentionMetadata
 from lab.engine.model.model import Model
 
 log = logging.getLogger(__name__)

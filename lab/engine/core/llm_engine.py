@@ -11,19 +11,19 @@ from dataclasses import dataclass
 import torch
 
 from lab.engine.core import prompt_logprobs
-from lab.engine.core.block_manager import BlockManager
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.known_cost import KnownCost
-from lab.engine.core.kv_tiers import build_tiers
 from lab.engine.core.model_runner import ModelRunner, resolve_device, resolve_dtype
 from lab.engine.core.output_processor import OutputProcessor, RequestOutput
 from lab.engine.core.overlap import InflightStep, overlap_enabled, overlappable, trim_certain_finishers
-from lab.engine.core.prompt_lookup import PromptLookup
 from lab.engine.core.sampling_params import BadRequestError, SamplingParams
 from lab.engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from lab.engine.core.sequence import Sequence, Status, TokenLogprob
 from lab.engine.core.warm_caches import BuiltCaches
+from lab.engine.kv.block_manager import BlockManager
+from lab.engine.kv.kv_tiers import build_tiers
 from lab.engine.model import cpu_linear
+from lab.engine.spec.prompt_lookup import PromptLookup
 from lab.engine.weights.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)

@@ -9,16 +9,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lab.engine.core import prompt_logprobs, rejection_sampler, sampler
-from lab.engine.core.attention_metadata import AttentionMetadata, build_metadata
+from lab.engine.core import prompt_logprobs, sampler
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.cuda_graphs import DecodeGraphs
-from lab.engine.core.host_copy import to_device
 from lab.engine.core.overlap import InflightStep
 from lab.engine.core.scheduler import ScheduledSeq
 from lab.engine.core.sequence import TokenLogprob
 from lab.engine.model.attention import AttentionBackend, TorchAttention
+from lab.engine.model.attention_metadata import AttentionMetadata, build_metadata
+from lab.engine.model.host_copy import to_device
 from lab.engine.model.model import Model, Ops, SkinnyOps
+from lab.engine.spec import rejection_sampler
 from lab.engine.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from lab.engine.core.config import EngineConfig
-from lab.engine.core.prompt_lookup import PromptLookup
 from lab.engine.core.scheduler import SchedulerOutput
 from lab.engine.core.sequence import Sequence
+from lab.engine.spec.prompt_lookup import PromptLookup
 
 
 def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:

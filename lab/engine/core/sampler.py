@@ -15,9 +15,9 @@ from typing import Sequence as Seq
 
 import torch
 
-from lab.engine.core.host_copy import to_device
 from lab.engine.core.sampling_params import SamplingParams
 from lab.engine.core.sequence import Sequence, TokenLogprob
+from lab.engine.model.host_copy import to_device
 
 log = logging.getLogger(__name__)
 

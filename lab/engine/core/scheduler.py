@@ -20,10 +20,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from lab.engine.core.block_manager import BlockManager
 from lab.engine.core.config import EngineConfig
-from lab.engine.core.prompt_lookup import PromptLookup
 from lab.engine.core.sequence import Sequence, Status
+from lab.engine.kv.block_manager import BlockManager
+from lab.engine.spec.prompt_lookup import PromptLookup
 
 
 @dataclass

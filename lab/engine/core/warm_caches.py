@@ -13,7 +13,7 @@ while serving, so it can grow long after the engine is ready. Random `dummy:` we
 memory on every boot and reused by none, so they make no boot cold; nothing in the engine calls
 torch.compile, so torch's inductor caches are not watched.
 
-The KV file tier (`file_tier.py`) is an on-disk cache that fills while serving, but of another
+The KV file tier (`kv/file_tier.py`) is an on-disk cache that fills while serving, but of another
 kind: what a boot wrote there speeds up only a later request with the same prefix, not every
 later boot. It is listed with `"cold": false`, and makes no boot cold: a benchmark that never
 repeats a prompt across boots (the lab salts every request per boot) gains nothing from what an

@@ -8,8 +8,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lab.engine.core.attention_metadata import AttentionMetadata
 from lab.engine.kernels.cache_dtypes import FP8_DTYPES
+from lab.engine.model.attention_metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

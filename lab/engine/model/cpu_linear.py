@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from lab.engine.weights.weight_cache import cache_root
+from lab.engine.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 

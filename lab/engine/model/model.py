@@ -13,11 +13,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from lab.engine.core.attention_metadata import AttentionMetadata
 from lab.engine.model import layers
 from lab.engine.model.attention import AttentionBackend
+from lab.engine.model.attention_metadata import AttentionMetadata
 from lab.engine.model.cpu_linear import CpuLinear
-from lab.engine.model.model_config import ModelConfig
+from lab.engine.model_config import ModelConfig
 
 
 @dataclass

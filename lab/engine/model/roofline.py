@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.engine.model.model_config import ModelConfig
+from lab.engine.model_config import ModelConfig
 
 
 @dataclass

@@ -9,8 +9,8 @@ from bisect import bisect_left
 
 import torch
 
-from lab.engine.core.attention_metadata import AttentionMetadata
 from lab.engine.kernels.cache_dtypes import FP8_DTYPES
+from lab.engine.model.attention_metadata import AttentionMetadata
 from lab.engine.kernels.decode_attention import (MAX_SPLITS, decode_attention, num_splits_for,
                                                 split_context_bounds)
 from lab.engine.kernels.kv_write import write_kv_cache

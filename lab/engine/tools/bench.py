@@ -46,7 +46,7 @@ import torch
 from lab.engine.core.config import KNOBS, EngineConfig, flag_name
 from lab.engine.core.model_runner import resolve_device, resolve_dtype
 from lab.engine.core.sampling_params import SamplingParams
-from lab.engine.model.model_config import ModelConfig
+from lab.engine.model_config import ModelConfig
 from lab.engine.model.roofline import (Ceilings, decode_step_floor_s, measure_ceilings, prefill_floor_s)
 from lab.engine.serve.llm import LLM
 from lab.engine.weights.loader import load_model

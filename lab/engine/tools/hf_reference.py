@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lab.engine.model.model_config import ModelConfig
+from lab.engine.model_config import ModelConfig
 
 
 def hf_config(mc: ModelConfig):

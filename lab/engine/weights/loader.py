@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lab.engine.model.model_config import PRESETS, ModelConfig
+from lab.engine.model_config import PRESETS, ModelConfig
 from lab.engine.weights.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,8 @@ def load_model(model: str, dtype: torch.dtype, device: str | torch.device = "cpu
         config, weights, tokenizer, digest = load_hf_directory(path, dtype, device)
         cold, cache_path = False, None
     else:
-        from lab.engine.weights.weight_cache import WeightCache, cache_root, sha256_files
+        from lab.engine.cache_dir import cache_root
+        from lab.engine.weights.weight_cache import WeightCache, sha256_files
 
         _check_gguf_magic(path)
         digest = sha256_files([path])

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lab.engine.model.model_config import ModelConfig
+from lab.engine.model_config import ModelConfig
 from lab.engine.weights.loader import check_weights
 from lab.engine.weights.tokenizer import Tokenizer
 
@@ -33,13 +33,6 @@ CACHE_FORMAT = 1
 _WEIGHTS, _CONFIG, _MANIFEST = "model.safetensors", "config.json", "manifest.json"
 _TMP_PREFIX = ".tmp-"
 _HASH_CHUNK = 16 << 20
-
-
-def cache_root(explicit: Path | None = None) -> Path:
-    if explicit is not None:
-        return Path(explicit)
-    env = os.environ.get("LAB_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "lab"
 
 
 def sha256_files(paths: Sequence[Path]) -> str:

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from lab.engine.model.model_config import ModelConfig
+from lab.engine.model_config import ModelConfig
 from lab.engine.weights.loader import weight_shapes
 from lab.engine.weights.tokenizer import Tokenizer
 from lab.engine.weights.tokenizer_dummy import dummy_tokenizer

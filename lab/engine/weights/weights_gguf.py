@@ -12,7 +12,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from lab.engine.model.model_config import ModelConfig
+from lab.engine.model_config import ModelConfig
 from lab.engine.weights.loader import ModelLoadError, check_weights
 from lab.engine.weights.tokenizer import Tokenizer
 

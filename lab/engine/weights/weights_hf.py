@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lab.engine.model.model_config import ModelConfig
+from lab.engine.model_config import ModelConfig
 from lab.engine.weights.loader import ModelLoadError, check_weights
 from lab.engine.weights.tokenizer import TOKENIZER_FILE, Tokenizer
 from lab.engine.weights.weight_cache import sha256_files

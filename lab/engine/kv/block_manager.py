@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from lab.engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
-    from lab.engine.core.kv_tiers import KVTiers
+    from lab.engine.kv.kv_tiers import KVTiers
 
 TIERS = ("device", "host", "file")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lab.engine.core.host_copy import to_device
+from lab.engine.model.host_copy import to_device
 
 
 @dataclass

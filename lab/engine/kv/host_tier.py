@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from lab.engine.core.tier_index import BlockIndex
+from lab.engine.kv.tier_index import BlockIndex
 
 # Called with a block's hash, tokens and data just before its slot is reused.
 Spill = Callable[[int, tuple[int, ...], torch.Tensor], None]

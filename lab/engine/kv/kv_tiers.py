@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from lab.engine.cache_dir import cache_root
 from lab.engine.core.config import ConfigError, EngineConfig
-from lab.engine.core.file_tier import FileTier, record_bytes
-from lab.engine.core.host_tier import HostTier
-from lab.engine.weights.weight_cache import cache_root
+from lab.engine.kv.file_tier import FileTier, record_bytes
+from lab.engine.kv.host_tier import HostTier
 
 log = logging.getLogger(__name__)
 

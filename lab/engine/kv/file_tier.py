@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import xxhash
 
-from lab.engine.core.tier_index import BlockIndex
+from lab.engine.kv.tier_index import BlockIndex
 
 log = logging.getLogger(__name__)
 

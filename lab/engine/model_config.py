@@ -1,4 +1,7 @@
-"""The shape of a Llama-family decoder, and named shapes for `dummy:<preset>` weights."""
+"""The shape of a Llama-family decoder, and named shapes for `dummy:<preset>` weights.
+
+A leaf below `model/` and `weights/`: the decoder is built from a shape and the loaders read one, so
+both import it and neither imports the other; it loads without torch, for the lab's settings."""
 
 from __future__ import annotations
 
