@@ -59,12 +59,12 @@ def test_first_gguf_boot_builds_the_weight_cache_and_the_second_is_warm(tmp_path
         stats = first.stats()
     assert stats["cold"] is True and stats["random_weights"] is False
     built = {c["cache"]: c for c in stats["caches_built"]}
-    assert built.pop("weights") == {"cache": "weights", "path": str(root / digest[:16]), "built": True}
+    assert built.pop("weights") == {"cache": "weights", "path": str(root / digest[:16]), "built": True, "cold": True}
     # A fresh cache root has no product layouts for this host either: the load measures them, and
     # writes them unless the host was too busy to trust the figures (then no boot reuses them).
     layouts = choices_path(root)
     written = layouts.exists()
-    assert built == ({"cpu-linear": {"cache": "cpu-linear", "path": str(layouts), "built": True}} if written else {})
+    assert built == ({"cpu-linear": {"cache": "cpu-linear", "path": str(layouts), "built": True, "cold": True}} if written else {})
     with engine_server(tmp_path, "--model", "smollm2-135m", *SMALL, env=env) as second:
         stats = second.stats()
     if written:
@@ -86,7 +86,7 @@ def test_dummy_boot_is_warm_until_a_kernel_lands_in_the_triton_cache(tmp_path: P
         (kernel / "decode_attention.json").write_text("{}")
         stats = server.stats()
     assert stats["cold"] is True
-    assert stats["caches_built"] == [{"cache": "triton", "path": str(triton), "entries_added": 1}]
+    assert stats["caches_built"] == [{"cache": "triton", "path": str(triton), "entries_added": 1, "cold": True}]
 
 
 @pytest.mark.gpu

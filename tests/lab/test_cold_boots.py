@@ -106,7 +106,7 @@ def test_a_kernel_compiled_while_measured_makes_the_boot_cold_and_lab_ls_says_wh
     triton = str(cwd / "triton")
     assert a2.cold is True
     assert a2.engine_stats["caches_built"] == []  # warm when it answered its first completion
-    assert a2.engine_stats["caches_built_before_stop"] == [{"cache": "triton", "path": triton, "entries_added": 1}]
+    assert a2.engine_stats["caches_built_before_stop"] == [{"cache": "triton", "path": triton, "entries_added": 1, "cold": True}]
     assert a2.reason == "cold: built 1 entry of the triton cache after ready"
     listing = subprocess.run([sys.executable, "-m", "lab", "ls", "cold"], cwd=cwd, capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"}, check=True).stdout
