@@ -6,6 +6,7 @@ any moment leaves whole steps only, and the unique keys make a second copy of a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
@@ -99,8 +100,9 @@ def write_step(store: Store, *, slot_id: int, boot_id: int, instrument: str, ste
             return row.id
         request_ids = []
         for idx, receipt in enumerate(result.receipts):
-            request = m.Request(step_id=row.id, boot_id=boot_id, idx=idx,
-                                **{f: _json(getattr(receipt, f, None)) for f in RECEIPT_FIELDS})
+            fields = {f: _json(getattr(receipt, f, None)) for f in RECEIPT_FIELDS}
+            fields["payload"] = stored_payload(fields["payload"])
+            request = m.Request(step_id=row.id, boot_id=boot_id, idx=idx, **fields)
             s.add(request)
             s.flush()
             request_ids.append(request.id)
@@ -131,6 +133,34 @@ def write_verdict(store: Store, *, run_id: int, arm: str, decision: str, reasons
         s.execute(delete(m.Verdict).where(m.Verdict.run_id == run_id, m.Verdict.arm_id == arm_id))
         s.add(m.Verdict(run_id=run_id, arm_id=arm_id, decision=decision, reasons=list(reasons), detail=_json(detail),
                         created_at=now()))
+
+
+# A prompt longer than this (characters of text, or token ids) is stored by digest: a 131K-token
+# prefill, or a conversation resumed at 110K tokens turn after turn, would otherwise make each
+# receipt megabytes. Instruments build their prompts from the boot's salt, so the digest, the
+# length and the head identify the prompt, and the run's code regenerates it.
+LONG_PROMPT = 8192
+
+
+def stored_payload(payload: Any) -> Any:
+    """The request body as stored: long prompts (`prompt`, a message's `content`) replaced by
+    `{"sha256", "length", "head"}`; everything else exactly as sent."""
+    if not isinstance(payload, dict):
+        return payload
+    out = dict(payload)
+    if "prompt" in out:
+        out["prompt"] = _digest_if_long(out["prompt"])
+    if isinstance(out.get("messages"), list):
+        out["messages"] = [{**msg, "content": _digest_if_long(msg.get("content"))} if isinstance(msg, dict) else msg
+                           for msg in out["messages"]]
+    return out
+
+
+def _digest_if_long(value: Any) -> Any:
+    if not isinstance(value, (str, list)) or len(value) <= LONG_PROMPT:
+        return value
+    blob = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    return {"sha256": hashlib.sha256(blob).hexdigest(), "length": len(value), "head": value[:256]}
 
 
 def _json(value: Any) -> Any:
