@@ -9,6 +9,7 @@
 #                    throughput at 64 and 256 requests; then the fp8 KV cache's throughput at 256
 #   bench-1m         one cold prefill of 1,048,576 tokens (dummy:llama3-8b-1m, fp8 KV)
 #   ladder:NAME      `lab run ladders/NAME.yaml` into $OUT/NAME.db, then `lab ls` and every KEEP verdict
+#                    (COMMIT=abc1234 names the run after the commit; the device copy may lack git history)
 #   calibrate:NAME   `lab calibrate ladders/NAME.yaml --boots 3` into the same store (run it before ladder:NAME)
 #   kernels          the kernels' micro-benchmarks (benchmarks/kernels/)
 #   cpu              `lab engine bench --device cpu` of SmolLM2's shape on two of the host's cores
@@ -30,7 +31,7 @@ if [ -n "$missing" ]; then
 fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # the device copy may carry no history
 { echo "commit $commit"; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
   lscpu | grep -E "^Model name"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
