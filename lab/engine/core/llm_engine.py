@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.engine.core import prompt_logprobs
+from lab.engine.core import cpu_threads, prompt_logprobs
 from lab.engine.core.block_manager import BlockManager
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.known_cost import KnownCost
@@ -49,6 +49,8 @@ class LLMEngine:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         started = time.monotonic()
+        # Before the load, whose timed CPU products (cpu_linear) depend on the thread count.
+        self.cpu_threads = cpu_threads.apply(config.cpu_threads, self.device.type)
         # Before the load and the runner's warm-up, which are what may build a cache.
         self.caches = BuiltCaches.snapshot()
         products_before = len(cpu_linear.choice_writes())
