@@ -101,18 +101,18 @@ class LLMEngine:
         params.validate(self.config.max_logprobs, self.model_config.vocab_size)
         n = len(prompt_token_ids)
         if n == 0:
-            raise BadRequestError("the prompt is empty")
+            raise BadRequestError("the prompt is empty", param="prompt")
         if n >= self.max_model_len:
             raise BadRequestError(f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
-                                  "tokens including at least one generated token")
+                                  "tokens including at least one generated token", param="prompt")
         if n + params.max_tokens > self.max_model_len:
             raise BadRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
                                   f"{n + params.max_tokens} exceeds this model's context of "
-                                  f"{self.max_model_len} tokens")
+                                  f"{self.max_model_len} tokens", param="max_tokens")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise BadRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            raise BadRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_request(prompt_token_ids, params)
