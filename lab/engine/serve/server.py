@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import logging
 import re
@@ -18,12 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from lab.engine.core.llm_engine import EngineBusyError, LLMEngine
 from lab.engine.core.output_processor import RequestOutput
 from lab.engine.core.sampling_params import BadRequestError, SamplingParams
 from lab.engine.core.sequence import TokenLogprob
 from lab.engine.serve.async_engine import AsyncEngine, EngineDeadError
+from lab.engine.serve.cors import CorsPolicy
 from lab.engine.serve.engine_stats import engine_stats
 from lab.engine.serve.gc_pauses import GcPauses, freeze_startup_heap
 from lab.engine.serve.metrics import EngineMetrics, Parent
@@ -33,7 +36,8 @@ from lab.engine.serve.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/metrics"}
+# Liveness, version and metrics need no API key (load balancers and scrapers send none), as on vLLM.
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
 
 
 class ModelNotFound(LookupError):
@@ -636,7 +640,14 @@ class Guard:
             await on_internal_error(Request(scope), exc)(scope, receive, send)
 
 
-def build_app(server: Server) -> FastAPI:
+def lab_version() -> str:
+    try:
+        return importlib.metadata.version("lab")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def build_app(server: Server, cors: CorsPolicy | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_engine.start(asyncio.get_running_loop())
@@ -651,9 +662,16 @@ def build_app(server: Server) -> FastAPI:
         server.async_engine.shutdown()
         server.engine.close()  # the file tier's queued blocks land before the process exits
 
-    app = FastAPI(title="lab engine", version="0.1.0", lifespan=lifespan)
+    version = lab_version()
+    app = FastAPI(title="lab engine", version=version, lifespan=lifespan)
 
     app.add_middleware(Guard, api_key=server.api_key)
+    # Added last, so outermost: a preflight is answered before the API key check (a browser sends
+    # none with it), and every response to an allowed origin carries Access-Control-* (401s and
+    # 500s included, which a page could not read otherwise).
+    cors = cors or CorsPolicy()
+    app.add_middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
+                       allow_headers=cors.headers, allow_credentials=cors.credentials)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -680,6 +698,15 @@ def build_app(server: Server) -> FastAPI:
         if not server.async_engine.alive:
             return error_response(503, "the engine loop is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route for load balancers: /health's answer."""
+        return await health()
+
+    @app.get("/version")
+    async def version_route() -> dict[str, str]:
+        return {"version": version}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
