@@ -6,8 +6,9 @@ hundred short OpenMP parallel regions, each ending at a barrier that waits for i
 When another process holds one of those cores, every barrier waits for the OS to hand the core
 back, and per-stream decode falls by an order of magnitude (docs/server.md, "CPU threads", has
 the measurement). The default therefore counts the cores this process may use and leaves one of
-them to the rest of the host (the server's own event loop, other processes): a thread fewer costs
-a quiet host little, a thread too many costs a shared one most of its speed.
+them to the rest of the host (the server's own event loop, other processes): a thread too many
+costs a shared host most of its speed, a thread fewer costs a quiet one at most what that thread
+would have added.
 """
 
 from __future__ import annotations
