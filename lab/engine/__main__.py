@@ -8,6 +8,7 @@ import logging
 import sys
 
 from lab.engine.core import config as knobs
+from lab.engine.serve import cors
 
 log = logging.getLogger("lab.engine")
 
@@ -16,6 +17,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from lab.engine.serve.async_engine import build_engine
+    from lab.engine.serve.cors import from_namespace as cors_policy
     from lab.engine.serve.server import Server, build_app
 
     cfg = knobs.from_namespace(ns)
@@ -26,7 +28,7 @@ def _serve(ns: argparse.Namespace) -> int:
              runner.num_blocks * cfg.block_size, runner.kv_pool_bytes / 2**20,
              str(runner.kv_dtype).removeprefix("torch."))
     server = Server(engine, ns.served_model_name or cfg.model, ns.api_key)
-    app = build_app(server)
+    app = build_app(server, cors_policy(ns))
     log.info("serving %s on http://%s:%d", server.served_model_name, ns.host, ns.port)
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), timeout_graceful_shutdown=2,
                 access_log=False)
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name clients use [default: --model]")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    cors.add_arguments(serve)
     knobs.add_arguments(serve)
     serve.set_defaults(func=_serve)
 

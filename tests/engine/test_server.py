@@ -140,6 +140,29 @@ def test_stats_and_metrics(server) -> None:
     assert server.stats()["prefix_cache"]["cached_blocks"] == 0
 
 
+def test_cpu_threads_are_reported_with_where_they_came_from(server) -> None:
+    # The test server sets no --cpu-threads and no OMP_NUM_THREADS: the engine's own default.
+    threads = server.stats()["cpu_threads"]
+    assert threads["source"] == "usable cores - 1"
+    assert threads["intra_op"] == max(1, threads["usable_cores"] - 1) == threads["inter_op"]
+    assert threads["usable_cores"] <= threads["affinity_cores"] == len(os.sched_getaffinity(0))
+
+
+def test_version_ping_and_a_default_preflight(server) -> None:
+    from importlib.metadata import version
+
+    assert httpx.get(f"{server.url}/version").json() == {"version": version("lab")}
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{server.url}/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    # The default CORS policy, vLLM's: any origin, method and header.
+    r = httpx.options(f"{server.url}/v1/completions", headers={
+        "Origin": "http://page.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, x-custom"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "x-custom" in r.headers["access-control-allow-headers"]
+
+
 def test_the_start_up_heap_is_frozen_and_collector_pauses_are_counted(client, server) -> None:
     # A full collection walks every tracked object; the engine's start-up heap (a Block per KV
     # block, the modules, the web framework) is frozen out of it, and each pass is counted.
@@ -201,7 +224,15 @@ def test_api_key_and_queue_full(tmp_path) -> None:
     with engine_server(tmp_path, "--max-model-len", "512", "--api-key", "sesame", "--max-num-seqs", "1",
                        "--max-waiting", "1") as s:
         assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi"}).status_code == 401
-        assert httpx.get(f"{s.url}/health").status_code == 200
+        for route in ("/health", "/ping", "/version", "/metrics"):  # for load balancers and scrapers
+            assert httpx.get(f"{s.url}{route}").status_code == 200, route
+        # A browser's preflight carries no key; it is answered, and the 401 itself is readable cross-origin.
+        origin = {"Origin": "http://page.example"}
+        r = httpx.options(f"{s.url}/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                               "Access-Control-Request-Headers": "authorization"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi"}, headers=origin)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
         headers = {"Authorization": "Bearer sesame"}
 
         async def burst() -> list[int]:

@@ -26,7 +26,8 @@ VLLM_DOCUMENTED = {
     "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:iteration_tokens_total",
     "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
     "vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:time_to_first_token_seconds",
-    "vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
+    "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
     "vllm:request_decode_time_seconds", "vllm:cache_config_info", "vllm:lora_requests_info",
     "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
@@ -197,6 +198,120 @@ def test_null_content_and_tool_messages_are_refused(server) -> None:
                                                                      "function": {"name": "f", "arguments": "{}"}}]}
     error = refused(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}, tool_call]})
     assert error["param"] == "messages[1].tool_calls"
+
+
+# -- every validation error names its field -------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+HI = [{"role": "user", "content": "Hi"}]
+LONG = "word " * 1100  # over the 1024-token context
+JSON_FORMAT = {"type": "json_object"}
+
+# Every 400 the server can raise before a request enters the engine, found by reading serve/ and
+# the engine's request checks: (route, body, param, fragment of the message). The body is JSON, or
+# raw bytes where JSON from Python cannot say it. `param` follows OpenAI: the request field at
+# fault, with a path into messages; None only where no field is at fault (the body itself).
+VALIDATION_ERRORS = [
+    # the body's shape (pydantic)
+    (CMPL, b"{not json", None, "malformed JSON body"),
+    (CMPL, [1, 2], None, "valid dictionary"),
+    (CMPL, {}, "prompt", "prompt: Field required"),
+    (CMPL, {"prompt": "hi", "max_tokens": "many"}, "max_tokens", "valid integer"),
+    (CMPL, {"prompt": "hi", "temperature": "warm"}, "temperature", "expected a number"),
+    (CMPL, {"prompt": [1, "a"]}, "prompt", "expected a string or a list of token ids"),
+    (CMPL, {"prompt": "hi", "stop": 5}, "stop", "expected a string or a list of strings"),
+    (CMPL, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage", "valid boolean"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias.5", "expected a number"),
+    (CHAT, {"messages": []}, "messages", "at least 1 item"),
+    (CHAT, {"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", "'system', 'user'"),
+    (CMPL, b'{"prompt": "ab\\ud800"}', "prompt", "lone UTF-16 surrogate"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages", "lone UTF-16 surrogate"),
+    # messages
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[1].type", "image_url content is not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text",
+     "text is required"),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages[0].content", "not null"),
+    (CHAT, {"messages": [{"role": "assistant", "content": "", "tool_call_id": "1"}]}, "messages[0].tool_call_id",
+     "no tool calling"),
+    # fields this engine does not honour, and combinations it refuses
+    (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    (CMPL, {"prompt": "hi", "n": 17}, "n", "n must be in [1, 16]"),
+    (CMPL, {"prompt": "hi", "n": 2, "best_of": 3}, "best_of", "best_of must equal n"),
+    (CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
+    (CHAT, {"messages": HI, "response_format": JSON_FORMAT, "ignore_eos": True}, "ignore_eos", "JSON"),
+    (CHAT, {"messages": HI, "response_format": JSON_FORMAT, "min_tokens": 2}, "min_tokens", "JSON"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "must be token ids"),
+    (CMPL, {"prompt": []}, "prompt", "must not be empty"),
+    (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
+    # response_format
+    (CHAT, {"messages": HI, "response_format": {"type": "yaml"}}, "response_format", "is not supported"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format", "with a name and a schema"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+     "response_format", "JSON Schema object"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_schema",
+                                                "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", "not usable"),
+    # the context
+    (CMPL, {"prompt": LONG, "max_tokens": 1}, "prompt", "context is 1024"),
+    (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages", "context is 1024"),
+    (CMPL, {"prompt": "hi", "max_tokens": 1024}, "max_tokens", "exceeds this model's context"),
+    (CHAT, {"messages": HI, "max_tokens": 1024}, "max_tokens", "exceeds this model's context"),
+    (CHAT, {"messages": HI, "max_completion_tokens": 1024}, "max_completion_tokens",
+     "max_completion_tokens (1024)"),
+    (CMPL, {"prompt": "", "add_special_tokens": False}, "prompt", "the prompt is empty"),
+    (CMPL, {"prompt": [1, 999999]}, "prompt", "outside the vocabulary"),
+    # sampling parameters
+    (CMPL, {"prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
+    (CMPL, {"prompt": "hi", "temperature": -1}, "temperature", "temperature must be in [0, 100]"),
+    (CMPL, {"prompt": "hi", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+    (CMPL, {"prompt": "hi", "top_k": -2}, "top_k", "top_k must be"),
+    (CMPL, {"prompt": "hi", "min_p": 2}, "min_p", "min_p must be in [0, 1]"),
+    (CMPL, {"prompt": "hi", "logprobs": 50}, "logprobs", "logprobs must be in [0, 20]"),
+    (CMPL, {"prompt": "hi", "echo": True, "logprobs": 50, "max_tokens": 1}, "logprobs", "logprobs must be in"),
+    (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    (CMPL, {"prompt": "hi", "seed": 2**64}, "seed", "64 bits"),
+    (CMPL, {"prompt": "hi", "stop_token_ids": [999999]}, "stop_token_ids", "stop_token_ids must be in"),
+    (CMPL, {"prompt": "hi", "stop": [""]}, "stop", "must not be empty"),
+    (CMPL, {"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
+    (CMPL, {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "min_tokens must be in"),
+    (CMPL, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in"),
+    (CMPL, {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty", "[-2, 2]"),
+    (CMPL, {"prompt": "hi", "presence_penalty": -3}, "presence_penalty", "[-2, 2]"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias", "[-100, 100]"),
+    (CMPL, {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
+    (CMPL, {"prompt": "hi", "allowed_token_ids": [999999]}, "allowed_token_ids", "allowed_token_ids must be in"),
+    # vLLM's small routes
+    ("/tokenize", {}, "prompt", "exactly one of prompt or messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].type", "image_url content is not supported"),
+    ("/detokenize", {"tokens": [999999]}, "tokens", "outside the vocabulary"),
+]
+
+
+@pytest.mark.parametrize("route,body,param,fragment", VALIDATION_ERRORS,
+                         ids=[f"{i}-{row[2]}" for i, row in enumerate(VALIDATION_ERRORS)])
+def test_every_validation_error_names_its_field(server, route, body, param, fragment) -> None:
+    if isinstance(body, bytes):
+        r = httpx.post(f"{server.url}{route}", content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        r = httpx.post(f"{server.url}{route}", json=body, timeout=60)
+    assert r.status_code == 400, (body, r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "\n" not in error["message"]
+    assert error["param"] == param, error
+    assert fragment in error["message"], error
+
+
+def test_an_unknown_model_is_a_404_naming_the_model(server) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "model" and r.json()["error"]["code"] == "model_not_found"
 
 
 # -- sampling controls -----------------------------------------------------------------------------

@@ -90,6 +90,10 @@ class EngineConfig:
     cpu_products: str = _knob("measured", "CPU products x @ w^T: measured = the layout timed fastest on this host for "
                               "each weight shape and row count (timed at the first load, cached per host), "
                               "linear = always F.linear", ("measured", "linear"))
+    cpu_threads: int = _knob(0, "threads torch's CPU kernels use (intra-op and inter-op pools); 0 = "
+                             "OMP_NUM_THREADS when set, else on the CPU the cores this process may use (its "
+                             "affinity and cgroup CPU quota) less one, left to the server and the host's other "
+                             "processes (on CUDA, torch's default)", hashed_at_default=False)
     gil_switch_interval_ms: float = _knob(5.0, "served engine: longest the HTTP event loop holds the GIL while the "
                                           "step loop waits for it (sys.setswitchinterval; Python's default is 5)")
     gc_freeze: bool = _knob(True, "served engine: freeze the start-up heap out of Python's garbage collector, so a "
@@ -186,7 +190,7 @@ def validate(cfg: EngineConfig) -> None:
             raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
     non_negative = ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "long_prefill_token_threshold",
                     "max_parallel_prefills", "lone_prefill_tokens", "max_waiting", "kv_host_tier_bytes",
-                    "kv_file_tier_bytes")
+                    "kv_file_tier_bytes", "cpu_threads")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.engine.core import prompt_logprobs
+from lab.engine.core import cpu_threads, prompt_logprobs
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.known_cost import KnownCost
 from lab.engine.core.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -49,6 +49,8 @@ class LLMEngine:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         started = time.monotonic()
+        # Before the load, whose timed CPU products (cpu_linear) depend on the thread count.
+        self.cpu_threads = cpu_threads.apply(config.cpu_threads, self.device.type)
         # Before the load and the runner's warm-up, which are what may build a cache.
         self.caches = BuiltCaches.snapshot()
         products_before = len(cpu_linear.choice_writes())
@@ -99,18 +101,18 @@ class LLMEngine:
         params.validate(self.config.max_logprobs, self.model_config.vocab_size)
         n = len(prompt_token_ids)
         if n == 0:
-            raise BadRequestError("the prompt is empty")
+            raise BadRequestError("the prompt is empty", param="prompt")
         if n >= self.max_model_len:
             raise BadRequestError(f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
-                                  "tokens including at least one generated token")
+                                  "tokens including at least one generated token", param="prompt")
         if n + params.max_tokens > self.max_model_len:
             raise BadRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
                                   f"{n + params.max_tokens} exceeds this model's context of "
-                                  f"{self.max_model_len} tokens")
+                                  f"{self.max_model_len} tokens", param="max_tokens")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise BadRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            raise BadRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_request(prompt_token_ids, params)

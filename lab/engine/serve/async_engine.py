@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from lab.engine.core.config import EngineConfig
 from lab.engine.core.llm_engine import EngineBusyError, LLMEngine
@@ -73,9 +73,18 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return result["engine"]  # type: ignore[return-value]
 
 
+# A request's end, on the event loop: its last output when the engine finished or aborted it
+# (its KV blocks already freed), None when the engine refused it.
+EndHook = Callable[[str, RequestOutput | None], None]
+# The tokens one engine step computed (prompt and generated), on the engine thread.
+StepHook = Callable[[int], None]
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_end: EndHook | None = None, on_step: StepHook | None = None) -> None:
         self.engine = engine
+        self.on_end = on_end
+        self.on_step = on_step
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}
@@ -173,17 +182,21 @@ class AsyncEngine:
                     self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
                 except (ValueError, EngineBusyError) as exc:
                     self._resolve(item.accepted, error=exc)
+                    self._ended(item.request_id, None)
                     continue
                 except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
                     log.exception("request %s refused by an unexpected error", item.request_id)
                     self.engine.abort(item.request_id)  # in case it got as far as the queue
                     self._resolve(item.accepted, error=exc)
+                    self._ended(item.request_id, None)
                     continue
                 self._sinks[item.request_id] = item.sink
                 self._resolve(item.accepted, True)
             elif isinstance(item, _Abort):
-                if self.engine.abort(item.request_id) is not None:
+                out = self.engine.abort(item.request_id)
+                if out is not None:
                     log.debug("aborted %s", item.request_id)
+                    self._ended(item.request_id, out)
                 self._sinks.pop(item.request_id, None)
             elif isinstance(item, _Call):
                 try:
@@ -191,16 +204,22 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001 - reported to the caller
                     self._resolve(item.done, error=exc)
 
+    def _ended(self, request_id: str, out: RequestOutput | None) -> None:
+        if self.on_end is not None:
+            self.loop.call_soon_threadsafe(self.on_end, request_id, out)  # type: ignore[union-attr]
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         routed = []
+        ended = []
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is not None:
                 routed.append((sink, out))
             if out.finished:
                 self._sinks.pop(out.request_id, None)
-        if routed:
-            self.loop.call_soon_threadsafe(_fan_out, routed)  # type: ignore[union-attr]
+                ended.append(out)
+        if routed or ended:
+            self.loop.call_soon_threadsafe(_fan_out, routed, ended, self.on_end)  # type: ignore[union-attr]
 
     def _run(self) -> None:
         try:
@@ -210,7 +229,12 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                self._deliver(self.engine.step())
+                c = self.engine.counters
+                before = c.prompt_tokens + c.generation_tokens
+                outputs = self.engine.step()
+                if self.on_step is not None:
+                    self.on_step(c.prompt_tokens + c.generation_tokens - before)
+                self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             log.exception("engine loop died")
             self.error = exc
@@ -218,9 +242,12 @@ class AsyncEngine:
             sinks = list(self._sinks.values())
             self._sinks.clear()
             if self.loop is not None and sinks:
-                self.loop.call_soon_threadsafe(_fan_out, [(s, dead) for s in sinks])
+                self.loop.call_soon_threadsafe(_fan_out, [(s, dead) for s in sinks], [], None)
 
 
-def _fan_out(routed: list) -> None:
+def _fan_out(routed: list, ended: list[RequestOutput], on_end: EndHook | None) -> None:
     for sink, item in routed:
         sink.put_nowait(item)
+    if on_end is not None:
+        for out in ended:
+            on_end(out.request_id, out)

@@ -73,6 +73,9 @@ def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "device": str(engine.device),
         "attention_backend": runner.attention.name,
+        # Torch's CPU thread pools as the engine set them, and why (--cpu-threads, OMP_NUM_THREADS,
+        # or the cores this process may use).
+        "cpu_threads": engine.cpu_threads.to_dict(),
         "max_model_len": engine.max_model_len,
         "kv_pool": {"blocks": runner.num_blocks, "block_size": engine.config.block_size,
                     "tokens": runner.num_blocks * engine.config.block_size, "bytes": runner.kv_pool_bytes},

@@ -44,7 +44,9 @@ class _Body(BaseModel):
         for name, value in self:
             bad = _lone_surrogate(value)
             if bad is not None:
-                raise ValueError(f"{name} holds a lone UTF-16 surrogate ({bad}), which is not text")
+                # A ValueError for pydantic, which keeps it in the error's context: the server
+                # answers with its message and param.
+                raise BadRequestError(f"{name} holds a lone UTF-16 surrogate ({bad}), which is not text", param=name)
         return self
 
 
@@ -213,9 +215,15 @@ class CompletionRequest(GenerationRequest):
 
 
 class ChatContentPart(BaseModel):
+    """Any part is parsed, so that one this engine cannot read (`image_url`, `input_audio`, ...)
+    is refused by name rather than by the shape of a schema mismatch."""
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
+
+
+# Message fields that only make sense with tool calling, which this engine refuses.
+TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
 
 
 class ChatMessage(BaseModel):
@@ -224,16 +232,31 @@ class ChatMessage(BaseModel):
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
 
+    def check(self, i: int) -> None:
+        """A 400 naming the part of `messages[i]` this engine cannot take."""
+        extra = self.model_extra or {}
+        bad = next((f for f in TOOL_MESSAGE_FIELDS if extra.get(f) not in (None, [], "")), None)
+        if bad is not None:
+            raise BadRequestError(f"messages[{i}].{bad} is not supported (this engine has no tool calling)",
+                                  param=f"messages[{i}].{bad}")
+        if self.content is None:
+            raise BadRequestError(f"messages[{i}].content must be a string or a list of text parts, not null",
+                                  param=f"messages[{i}].content")
+        if isinstance(self.content, list):
+            for j, part in enumerate(self.content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type != "text":
+                    raise BadRequestError(f"{part.type[:40]} content is not supported (this engine reads text "
+                                          "parts only)", param=f"{where}.type")
+                if part.text is None:
+                    raise BadRequestError(f"{where}.text is required in a text part", param=f"{where}.text")
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
-
-
-# Message fields that only make sense with tool calling, which this engine refuses.
-TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -249,14 +272,7 @@ class ChatCompletionRequest(GenerationRequest):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         for i, m in enumerate(self.messages):
-            extra = m.model_extra or {}
-            bad = next((f for f in TOOL_MESSAGE_FIELDS if extra.get(f) not in (None, [], "")), None)
-            if bad is not None:
-                raise BadRequestError(f"messages[{i}].{bad} is not supported (this engine has no tool calling)",
-                                      param=f"messages[{i}].{bad}")
-            if m.content is None:
-                raise BadRequestError(f"messages[{i}].content must be a string or a list of text parts, "
-                                      "not null", param=f"messages[{i}].content")
+            m.check(i)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

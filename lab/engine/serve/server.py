@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager, contextmanager
@@ -17,22 +19,25 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from lab.engine.core.llm_engine import EngineBusyError, LLMEngine
 from lab.engine.core.output_processor import RequestOutput
 from lab.engine.core.sampling_params import BadRequestError, SamplingParams
 from lab.engine.core.sequence import TokenLogprob
 from lab.engine.serve.async_engine import AsyncEngine, EngineDeadError
+from lab.engine.serve.cors import CorsPolicy
 from lab.engine.serve.engine_stats import engine_stats
 from lab.engine.serve.gc_pauses import GcPauses, freeze_startup_heap
-from lab.engine.serve.metrics import EngineMetrics
+from lab.engine.serve.metrics import EngineMetrics, Parent
 from lab.engine.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        GenerationRequest)
 from lab.engine.serve.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/metrics"}
+# Liveness, version and metrics need no API key (load balancers and scrapers send none), as on vLLM.
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
 
 
 class ModelNotFound(LookupError):
@@ -55,19 +60,38 @@ def internal_error_message(exc: BaseException) -> str:
 
 
 @contextmanager
-def planning() -> Iterator[None]:
+def planning(inputs: str) -> Iterator[None]:
     """Whatever fails before a request enters the engine (tokenizer, chat template, parameters)
-    is answered as the request's error, a 400, never as a 500."""
+    is answered as the request's error, a 400, never as a 500, and names a field: its own, or
+    `inputs` (the prompt or the messages, which the tokenizer and the chat template read)."""
     try:
         yield
-    except (BadRequestError, ModelNotFound):
+    except ModelNotFound:
+        raise
+    except BadRequestError as exc:
+        exc.param = exc.param or inputs
         raise
     except ValueError as exc:  # ChatTemplateError among them: their messages are written for the user
-        raise BadRequestError(str(exc) or type(exc).__name__) from exc
+        raise BadRequestError(str(exc) or type(exc).__name__, param=inputs) from exc
     except Exception as exc:
         # The client is told what failed; the traceback is kept because this may be a bug here.
         log.warning("request refused while planning it: %s: %s", type(exc).__name__, exc, exc_info=exc)
-        raise BadRequestError(f"cannot prepare this request: {type(exc).__name__}: {exc}") from exc
+        raise BadRequestError(f"cannot prepare this request: {type(exc).__name__}: {exc}", param=inputs) from exc
+
+
+def check_request(engine: LLMEngine, ids: list[int], params: SamplingParams, names: dict[str, str]) -> None:
+    """`engine.check_request`, its errors naming the route's fields: the engine names its own
+    (SamplingParams' fields, `prompt`), which a route may call otherwise (`names`)."""
+    try:
+        engine.check_request(ids, params)
+    except BadRequestError as exc:
+        name = names.get(exc.param or "")
+        if name is None:
+            raise
+        # The prompt stays "the prompt" (of a chat, the templated messages); a parameter takes
+        # the name the client gave it.
+        message = str(exc) if exc.param == "prompt" else re.sub(rf"\b{exc.param}\b", name, str(exc), count=1)
+        raise BadRequestError(message, param=name) from exc
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -83,22 +107,64 @@ async def sse_stream(request_id: str, chunks: AsyncGenerator[bytes, None]) -> As
             async for chunk in chunks:
                 yield chunk
         except (BadRequestError, EngineBusyError, EngineDeadError) as exc:
-            yield _sse({"error": {"message": one_line(str(exc)), "type": type(exc).__name__}})
+            yield _sse({"error": {"message": one_line(str(exc)), "type": type(exc).__name__,
+                                  "param": getattr(exc, "param", None)}})
         except Exception as exc:
             log.error("request %s failed while streaming", request_id, exc_info=exc)
             yield _sse({"error": {"message": internal_error_message(exc), "type": "internal_error"}})
     yield b"data: [DONE]\n\n"
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:3]:
-        if err.get("type") == "json_invalid":
-            return f"malformed JSON body: {err.get('ctx', {}).get('error', 'cannot parse')}"
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        msg = err.get("msg", "invalid")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts).replace("\n", " ") or "invalid request"
+# How pydantic tags the member of a union each error is about, and what to call it in a message.
+UNION_MEMBERS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+                 "list[int]": "a list of token ids", "list[str]": "a list of strings",
+                 "list[list[int]]": "a list of token-id lists", "list[ChatContentPart]": "a list of content parts"}
+
+
+def _field_path(loc: tuple) -> tuple[str, int]:
+    """OpenAI's spelling of an error's location (`messages[0].content`), and how many of `loc`'s
+    parts it took: it stops at a union member's tag, which names no field."""
+    path = ""
+    used = 0
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in UNION_MEMBERS or "[" in part or "-" in part:
+            break
+        else:
+            path += f".{part}" if path else part
+        used += 1
+    return path, used
+
+
+def validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A body that does not parse: (one-line message, the field it is about). The first error
+    decides; a value that matched no member of a union says what each member wanted."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", None
+    own = first.get("ctx", {}).get("error")
+    if isinstance(own, BadRequestError):  # raised by a validator of ours, with its field
+        return str(own), own.param
+    loc = tuple(first.get("loc", ()))
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    path, used = _field_path(loc)
+    if used < len(loc):  # every member of a union failed
+        members = []
+        for err in errors:
+            err_loc = tuple(err.get("loc", ()))
+            err_loc = err_loc[1:] if err_loc[:1] == ("body",) else err_loc
+            if err_loc[:used] == loc[:used] and len(err_loc) > used:
+                member = UNION_MEMBERS.get(str(err_loc[used]), str(err_loc[used]))
+                if member not in members:
+                    members.append(member)
+        if "a number" in members and "an integer" in members:
+            members.remove("an integer")
+        message = f"{path}: expected {' or '.join(members)}"
+    else:
+        message = f"{path}: {first.get('msg', 'invalid')}" if path else first.get("msg", "invalid request")
+    return message, path or None
 
 
 @dataclass
@@ -145,6 +211,7 @@ class Choice:
     index: int
     ids: list[int]
     params: SamplingParams
+    parent: Parent
     leader: int | None = None
 
 
@@ -156,8 +223,8 @@ class Server:
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.api_key = api_key
-        self.async_engine = AsyncEngine(engine)
         self.metrics = EngineMetrics(engine, served_model_name)
+        self.async_engine = AsyncEngine(engine, on_end=self.metrics.ended, on_step=self.metrics.step)
         self.structured = StructuredOutput(engine.tokenizer, engine.model_config.vocab_size)
         self.gc = GcPauses()
         self.started_at = time.time()
@@ -176,51 +243,40 @@ class Server:
                 "owned_by": "lab", "root": self.engine.config.model, "parent": None,
                 "max_model_len": self.engine.max_model_len}
 
-    async def stream_outputs(self, request_id: str, ids: list[int], params: SamplingParams,
-                             arrival: float) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one sequence, observing its metrics on the way: latencies,
-        its prompt at the first token, how it ended (an abort when the consumer stops early)."""
+    async def stream_outputs(self, request_id: str, choice: Choice, arrival: float) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one sequence, observing its token latencies on the way; the
+        metrics of how it ended are observed when the engine reports its end (EngineMetrics)."""
         last: float | None = None
-        ended = False
-        try:
-            async for out in self.async_engine.generate(request_id, ids, params):
-                if out.new_token_ids:
-                    now = time.monotonic()
-                    if last is None:
-                        self.metrics.ttft.observe(now - arrival)
-                        self.metrics.first_token(out.num_prompt_tokens)
-                    else:
-                        self.metrics.itl.observe((now - last) / len(out.new_token_ids))
-                    last = now
-                if out.finished:
-                    ended = True
-                    self.metrics.e2e.observe(time.monotonic() - arrival)
-                    self.metrics.finished(out.finish_reason, out.num_output_tokens, out.phases)
-                yield out
-        except Exception:
-            ended = True  # refused or failed, not aborted: the error is the client's answer
-            raise
-        finally:
-            if not ended:
-                self.metrics.finished(None, 0)
+        self.metrics.submitted(request_id, arrival, choice.params.max_tokens, choice.parent)
+        async for out in self.async_engine.generate(request_id, choice.ids, choice.params):
+            if out.new_token_ids:
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.first_token(now - arrival, out.num_prompt_tokens)
+                else:
+                    self.metrics.inter_token((now - last) / len(out.new_token_ids))
+                last = now
+            yield out
 
     async def merged(self, rid: str, choices: list[Choice], arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several sequences interleaved as they arrive; cancelling aborts them all."""
         if len(choices) == 1:
             # aclosing: a consumer that stops early aborts the sequence now, not when the
             # generator is collected.
-            async with aclosing(self.stream_outputs(f"{rid}-0", choices[0].ids, choices[0].params, arrival)) as outs:
+            async with aclosing(self.stream_outputs(f"{rid}-0", choices[0], arrival)) as outs:
                 async for out in outs:
                     yield 0, out
             return
         queue: asyncio.Queue = asyncio.Queue()
         prefilled = {c.index: asyncio.Event() for c in choices if c.leader is None}
+        submitted: set[int] = set()
 
         async def pump(c: Choice) -> None:
             try:
                 if c.leader is not None:
                     await prefilled[c.leader].wait()
-                async for out in self.stream_outputs(f"{rid}-{c.index}", c.ids, c.params, arrival):
+                submitted.add(c.index)  # no await until stream_outputs has registered it
+                async for out in self.stream_outputs(f"{rid}-{c.index}", c, arrival):
                     if c.index in prefilled:
                         prefilled[c.index].set()
                     await queue.put((c.index, out))
@@ -242,6 +298,9 @@ class Server:
         finally:
             for t in tasks:
                 t.cancel()
+            for c in choices:
+                if c.index not in submitted:
+                    self.metrics.skipped(c.parent)  # its request ended before this choice's turn
 
     async def collect(self, rid: str, choices: list[Choice], arrival: float) -> list[Collected]:
         results = [Collected() for _ in choices]
@@ -276,12 +335,12 @@ class Server:
         out = []
         for ids, params in prompts:
             first = len(out)
+            parent = Parent(n)
             for j in range(n):
                 p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + j,
                                         logits_processors=[self.structured.processor(grammar)] if grammar else [])
                 self.engine.check_request(ids, p)
-                out.append(Choice(len(out), ids, p, leader=first if j else None))
-        self.metrics.request_params_n.observe(n)
+                out.append(Choice(len(out), ids, p, parent, leader=first if j else None))
         return out
 
     # -- logprob formatting ------------------------------------------------------------------
@@ -351,8 +410,7 @@ class Server:
             max_tokens = body.max_tokens if body.max_tokens is not None else self.default_max_tokens(len(ids))
             prompt_lp = body.logprobs if (body.echo and body.logprobs is not None) else None
             params = body.sampling(max_tokens, body.logprobs, prompt_lp)
-            self.engine.check_request(ids, params)
-            self.metrics.request_params_max_tokens.observe(max_tokens)
+            check_request(self.engine, ids, params, {"prompt_logprobs": "logprobs"})
             prompts.append((ids, params))
         return self.choices(body, prompts)
 
@@ -367,7 +425,7 @@ class Server:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         rid = request.state.request_id = f"cmpl-{uuid.uuid4().hex}"
-        with planning():
+        with planning("prompt"):
             self.check_model(body.model)
             choices = self.plan_completion(body)
         headers = self.ignored_fields(body, request)
@@ -450,14 +508,15 @@ class Server:
         if top is not None and not body.logprobs:
             raise BadRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         params = body.sampling(max_tokens, (top or 0) if body.logprobs else None)
-        self.engine.check_request(ids, params)
-        self.metrics.request_params_max_tokens.observe(max_tokens)
+        check_request(self.engine, ids, params, {
+            "prompt": "messages", "logprobs": "top_logprobs",
+            "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"})
         return self.choices(body, [(ids, params)])
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         rid = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        with planning():
+        with planning("messages"):
             self.check_model(body.model)
             choices = self.plan_chat(body)
         headers = self.ignored_fields(body, request)
@@ -502,11 +561,13 @@ class Server:
     # -- small endpoints ---------------------------------------------------------------------
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        with planning():
+        with planning("messages" if body.messages is not None else "prompt"):
             self.check_model(body.model)
             if (body.prompt is None) == (body.messages is None):
-                raise BadRequestError("give exactly one of prompt or messages")
+                raise BadRequestError("give exactly one of prompt or messages", param="prompt")
             if body.messages is not None:
+                for i, m in enumerate(body.messages):
+                    m.check(i)
                 text = self.tokenizer.apply_chat_template(
                     [{"role": m.role, "content": m.text()} for m in body.messages],
                     add_generation_prompt=body.add_generation_prompt)
@@ -516,12 +577,12 @@ class Server:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        with planning():
+        with planning("tokens"):
             self.check_model(body.model)
             vocab = self.engine.model_config.vocab_size
             bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
             if bad is not None:
-                raise BadRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+                raise BadRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
             return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def stats(self) -> dict[str, Any]:
@@ -579,7 +640,14 @@ class Guard:
             await on_internal_error(Request(scope), exc)(scope, receive, send)
 
 
-def build_app(server: Server) -> FastAPI:
+def lab_version() -> str:
+    try:
+        return importlib.metadata.version("lab")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def build_app(server: Server, cors: CorsPolicy | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_engine.start(asyncio.get_running_loop())
@@ -594,13 +662,21 @@ def build_app(server: Server) -> FastAPI:
         server.async_engine.shutdown()
         server.engine.close()  # the file tier's queued blocks land before the process exits
 
-    app = FastAPI(title="lab engine", version="0.1.0", lifespan=lifespan)
+    version = lab_version()
+    app = FastAPI(title="lab engine", version=version, lifespan=lifespan)
 
     app.add_middleware(Guard, api_key=server.api_key)
+    # Added last, so outermost: a preflight is answered before the API key check (a browser sends
+    # none with it), and every response to an allowed origin carries Access-Control-* (401s and
+    # 500s included, which a page could not read otherwise).
+    cors = cors or CorsPolicy()
+    app.add_middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
+                       allow_headers=cors.headers, allow_credentials=cors.credentials)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _validation_message(exc), "invalid_request_error")
+        message, param = validation_error(exc)
+        return error_response(400, message, "invalid_request_error", param=param)
 
     # The engine's own errors, each to its OpenAI status, type, code and param.
     errors = {BadRequestError: (400, "invalid_request_error", None, None),
@@ -622,6 +698,15 @@ def build_app(server: Server) -> FastAPI:
         if not server.async_engine.alive:
             return error_response(503, "the engine loop is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route for load balancers: /health's answer."""
+        return await health()
+
+    @app.get("/version")
+    async def version_route() -> dict[str, str]:
+        return {"version": version}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
