@@ -52,10 +52,12 @@ run_stage() {
              --kv-cache-dtype fp8 --max-model-len 1052672 --kv-cache-memory-bytes 72000000000 \
              --max-num-batched-tokens 8192 --max-num-seqs 8 --prompt-tokens 128 --decode-tokens 16 --concurrency 2 \
              --prefill-lengths 1048576 --repeats 1 --reference none --throughput "" --json "$OUT/bench_1m.json" ;;
-    ladder:*) db=/tmp/lab/$name.db; mkdir -p /tmp/lab
+    ladder:*) db=/tmp/lab/$name.db; mkdir -p /tmp/lab; touch /tmp/lab/started
            timeout "${LADDER_LIMIT:-560}" python3 -m lab run "ladders/$name.yaml" --db "$db" --name "$name-$commit" \
              --time-budget "$(( ${LADDER_LIMIT:-560} - 20 ))"
            echo "lab run exit $?"
+           echo "Triton kernels compiled during the run (a boot that compiled one is cold):"
+           find ~/.triton/cache -name '*.json' -newer /tmp/lab/started -exec basename {} .json \; | sort | uniq -c
            COLUMNS=200 python3 -m lab ls --db "$db" "$name-$commit"
            xz_to_out "$db" ;;
     calibrate:*) db=/tmp/lab/$name.db; mkdir -p /tmp/lab

@@ -5,16 +5,19 @@ Each round plays one conversation turn by turn: every turn's prompt is the histo
 new user chunk of `turn_tokens` seeded token ids (greedy, `max_tokens` out, the answer not kept
 in the history), `context_tokens` in all. Then:
 
-1. *warm resume*: the history plus a chunk A, on the engine that played: the history's KV is in
-   device memory, computed in the same chunks a tier holds; its greedy text is the reference;
+1. *warm resume*: the history plus a short chunk A (`check_tokens`, fewer than a KV block holds,
+   so no cache ever keeps it), on the engine that played: the history's KV is in device memory,
+   computed in the same chunks a tier holds; its greedy text is the reference;
 2. the runner **restarts the engine** with the same argv and environment inside this boot
    (`mode: restart`), or the instrument pushes the conversation out of the device cache with
    other prompts of `evict_tokens` in all (`mode: evict`, for a host-memory tier, which a
    restart empties);
 3. *resume*: the history plus a new chunk B, the first request after the restart: the history
    comes from whatever tier kept it, or is recomputed; its time to first token is the figure;
-4. *check*: the history plus chunk A again; its greedy text must equal the warm resume's, since a
-   tier must change nothing but time.
+4. *check*: the history plus chunk A again, A computed over the history exactly as the first time;
+   its greedy text must equal the warm resume's, since a tier must change nothing but time. (Where
+   the history was recomputed instead, in other chunks, low-precision sums may round otherwise and
+   change a token on random weights: only tiers are held to it.)
 
 Cells (params `{mode}`, repeat = round): `play_s`, `warm_resume_ttft_s`, `restart_s` (from the stop
 to the engine's first answer), `resume_ttft_s`, `resume_cached_tokens` (the resume's
@@ -59,6 +62,9 @@ class RestartParams(PresetParams):
     turn_tokens: conint(ge=16) = Field(  # type: ignore[valid-type]
         500, description="user tokens each turn adds, and the length of the resume's new chunk")
     max_tokens: conint(ge=1) = Field(8, description="output tokens per request")  # type: ignore[valid-type]
+    check_tokens: conint(ge=1) = Field(  # type: ignore[valid-type]
+        8, description="tokens of the chunk the warm resume and the check add: fewer than a KV block holds "
+                       "(16 on the bundled engine and vLLM), so neither is served from a cache")
     rounds: conint(ge=1, le=20) = Field(  # type: ignore[valid-type]
         1, description="conversations played and resumed per boot, each with its own restart")
     modes: list[Literal["restart", "evict"]] = Field(
@@ -104,7 +110,8 @@ class RestartInstrument:
 
     def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
         assert isinstance(params, RestartParams)
-        return {"context_tokens": params.turns * params.turn_tokens + params.turn_tokens + params.max_tokens}
+        return {"context_tokens": params.turns * params.turn_tokens + max(params.turn_tokens, params.check_tokens)
+                + params.max_tokens}
 
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params
@@ -130,7 +137,7 @@ class RestartInstrument:
             return fail_all(f"{NOT_APPLICABLE}restarting the engine needs `lab run`, which owns its process")
         chunks = conversation(request_salt(ctx.salt, self.name, mode, rnd), params)
         history = [t for chunk in chunks[:params.turns] for t in chunk]
-        chunk_a, chunk_b = chunks[params.turns], chunks[params.turns + 1]
+        chunk_a, chunk_b = chunks[params.turns][:params.check_tokens], chunks[params.turns + 1]
 
         def completion(prompt: list[int]) -> dict[str, Any]:
             return {"model": ctx.model, "prompt": prompt, "max_tokens": params.max_tokens, "temperature": 0,
