@@ -1,4 +1,4 @@
-"""The scripts the GPU calls run (`benchmarks/h200.sh` stages such as `mixed-noise`, `tier-restart`, `profile`),
+"""The scripts the GPU calls run (`benchmarks/h200.sh` stages such as `profile`),
 end to end on the CPU with a random-weight model, small: a script that breaks costs a GPU call."""
 
 from __future__ import annotations
@@ -20,31 +20,6 @@ def run_script(name: str, *args: str) -> str:
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
-
-
-def test_mixed_noise_sizes_its_prompts_to_the_model_and_times_every_condition(tmp_path: Path) -> None:
-    # The dummy tokenizer makes more tokens per word than the filler's words: unsized prompts
-    # would pass the context and be refused.
-    out = tmp_path / "mixed.json"
-    text = run_script("mixed_noise.py", "--model", "dummy:smollm2-135m", "--long-tokens", "400", "--rounds", "2",
-                      "--delay", "0.05", "--json", str(out), "--", "--max-model-len", "512",
-                      "--max-num-batched-tokens", "128")
-    rounds = json.loads(out.read_text())["rounds"]
-    assert sorted(rounds) == ["after-chat", "alone", "chat", "ids"]
-    for condition, rows in rounds.items():
-        assert len(rows) == 2 and all(r["long_s"] > 0 and r["gc_ms"] >= 0 for r in rows)
-        assert all(r.get("short_s", 0) > 0 for r in rows) == (condition in ("chat", "ids"))
-    assert "server GC" in text
-
-
-def test_tier_restart_resumes_from_the_file_with_the_warm_engines_answer(tmp_path: Path) -> None:
-    out = tmp_path / "tier.json"
-    run_script("tier_restart.py", "--model", "dummy:smollm2-135m", "--context-tokens", "256", "--turn-tokens", "128",
-               "--repeats", "1", "--workdir", str(tmp_path / "work"), "--json", str(out))
-    found = json.loads(out.read_text())
-    file_run = next(r for r in found["results"] if r["setting"] == "file")
-    assert file_run["resumes"][0]["cached_tokens"] >= 240  # the history's full blocks, from the file
-    assert found["equals_warm_resume"]["file"] == [True]
 
 
 def test_prefill_profile_splits_a_chunked_prefill_by_part_beside_its_floors(tmp_path: Path) -> None:
@@ -70,7 +45,7 @@ def test_step_profile_splits_a_decode_step_by_part_beside_its_compute_aware_floo
 
 
 def test_attention_shapes_times_a_first_and_a_repeated_call_per_backend_and_shape() -> None:
-    text = run_script("attention_shapes.py", "--device", "cpu", "--dtype", "float32", "--shapes", "37x0,5x40",
+    text = run_script("kernels/attention_shapes.py", "--device", "cpu", "--dtype", "float32", "--shapes", "37x0,5x40",
                       "--repeats", "2")
     rows = [line.split() for line in text.splitlines()[1:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [("cudnn", "37", "0"), ("cudnn", "5", "40"),
@@ -99,16 +74,3 @@ def test_prefill_profile_finds_where_the_gpu_waited() -> None:
     assert abs(found["lead_s"] - 0.002) < 1e-9 and abs(found["between_s"] - 0.003) < 1e-9
     assert abs(found["idle_s"] - 0.006) < 1e-9  # 21 ms profiled, 15 ms of kernels
     assert found["largest"] == [(3.0, "aten::copy_ 2.00 ms")]
-
-
-def test_new_shape_ttft_times_each_kind_of_prompt_twice(tmp_path: Path) -> None:
-    out = tmp_path / "ttft.json"
-    text = run_script("new_shape_ttft.py", "--model", "dummy:smollm2-135m", "--device", "cpu", "--dtype", "float32",
-                      "--modes", "auto", "--chat-lengths", "40,70", "--history", "96", "--turn-lengths", "20,30",
-                      "--long-lengths", "300", "--max-num-batched-tokens", "128", "--json", str(out))
-    (row,) = json.loads(out.read_text())["results"]
-    assert row["setting"] == "auto"
-    for kind, count in (("chat", 2), ("turn", 2), ("long", 1)):
-        assert len(row["kinds"][kind]["first"]) == len(row["kinds"][kind]["again"]) == count
-        assert all(s > 0 for s in row["kinds"][kind]["first"] + row["kinds"][kind]["again"])
-    assert "first - again" in text and "auto     turn" in text
