@@ -1,27 +1,17 @@
-"""The scripts the GPU calls run (`benchmarks/h200.sh` stages such as `profile`),
-end to end on the CPU with a random-weight model, small: a script that breaks costs a GPU call."""
+"""The profiles (`benchmarks/step_profile.py`, `benchmarks/prefill_profile.py`), end to end on the CPU
+with a random-weight model, small: a script that breaks costs a GPU call."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.scripts import BENCHMARKS, run_script
 
 
-def run_script(name: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
+@pytest.mark.slow
 def test_prefill_profile_splits_a_chunked_prefill_by_part_beside_its_floors(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     text = run_script("prefill_profile.py", "--model", "dummy:smollm2-135m", "--device", "cpu", "--dtype", "float32",
@@ -34,6 +24,7 @@ def test_prefill_profile_splits_a_chunked_prefill_by_part_beside_its_floors(tmp_
     assert "300 tokens:" in text and "of it" in text
 
 
+@pytest.mark.slow
 def test_step_profile_splits_a_decode_step_by_part_beside_its_compute_aware_floor() -> None:
     text = run_script("step_profile.py", "--model", "dummy:smollm2-135m", "--device", "cpu", "--dtype", "float32",
                       "--requests", "3", "--prompt-tokens", "48", "--decode-before", "4", "--steps", "3",
@@ -44,22 +35,13 @@ def test_step_profile_splits_a_decode_step_by_part_beside_its_compute_aware_floo
     assert "products" in floor_line and "attention" in floor_line and "(measured 0.00x)" not in floor_line
 
 
-def test_attention_shapes_times_a_first_and_a_repeated_call_per_backend_and_shape() -> None:
-    text = run_script("kernels/attention_shapes.py", "--device", "cpu", "--dtype", "float32", "--shapes", "37x0,5x40",
-                      "--repeats", "2")
-    rows = [line.split() for line in text.splitlines()[1:]]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("cudnn", "37", "0"), ("cudnn", "5", "40"),
-                                                  ("flash", "37", "0"), ("flash", "5", "40")]
-    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
-
-
 def test_prefill_profile_finds_where_the_gpu_waited() -> None:
     import importlib.util
     from types import SimpleNamespace
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("prefill_profile", Path("benchmarks/prefill_profile.py"))
+    spec = importlib.util.spec_from_file_location("prefill_profile", BENCHMARKS / "prefill_profile.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 
