@@ -36,7 +36,7 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512, help="buffer size for copy and read")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=10)
@@ -47,8 +47,8 @@ def main() -> None:
     copy = 2 * nbytes / best_seconds(lambda: dst.copy_(src), args.repeats)
     read = nbytes / best_seconds(lambda: src.sum(), args.repeats)
     del src, dst
-    print(f"{torch.get_num_threads()} threads: copy {copy / 1e9:.1f} GB/s (read + write), "
-          f"read {read / 1e9:.1f} GB/s ({read / copy:.2f}x the copy ceiling)")
+    print(f"{torch.get_num_threads()} threads: copy {copy / 1e9:.3g} GB/s (read + write), "
+          f"read {read / 1e9:.3g} GB/s ({read / copy:.2f}x the copy ceiling)")
     for dtype in (torch.float32, torch.bfloat16):
         weights = [torch.randn(n, k).to(dtype) for _ in range(args.layers) for n, k in LAYER]
         xs = {k: torch.randn(1, k).to(dtype) for _, k in LAYER}
@@ -60,7 +60,7 @@ def main() -> None:
 
         seconds = best_seconds(step, args.repeats)
         print(f"  gemv {str(dtype).removeprefix('torch.'):>8}: {wbytes / 2**20:.0f} MiB of weights in "
-              f"{seconds * 1e3:.2f} ms, {wbytes / seconds / 1e9:.1f} GB/s ({wbytes / seconds / read:.0%} of read)")
+              f"{seconds * 1e3:.2f} ms, {wbytes / seconds / 1e9:.3g} GB/s ({wbytes / seconds / read:.0%} of read)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""How fast the KV file tier moves blocks on this host: `FileTier.put` of N blocks of Llama-3-8B's
-shape (32 layers x K/V x 16 tokens x 8 heads x 128, bf16: 2 MiB), then, from a fresh `FileTier`
-on the same file, `get` and a copy of each into a host block (the page cache holds the file).
+"""How fast the KV file tier writes and reads blocks on this host: the ceiling of its figures.
+
+`FileTier.put` of N blocks of Llama-3-8B's shape (32 layers x K/V x 16 tokens x 8 heads x 128,
+bf16: 2 MiB), then, from a fresh `FileTier` on the same file, `get` and a copy of each into a
+host block (the page cache holds the file).
 
     PYTHONPATH=. python benchmarks/file_tier_io.py [--blocks 400] [--dir /tmp]
 """
@@ -46,7 +48,7 @@ def main() -> None:
         read = time.perf_counter() - started
         gb = args.blocks * writer.block_bytes / 1e9
         print(f"{args.blocks} blocks, {gb:.2f} GB: puts returned after {returned:.3f} s, all written after "
-              f"{written:.3f} s ({gb / written:.2f} GB/s); read, verified and copied {gb / read:.2f} GB/s")
+              f"{written:.3f} s ({gb / written:.3g} GB/s); read, verified and copied {gb / read:.3g} GB/s")
     finally:
         shutil.rmtree(where)
 

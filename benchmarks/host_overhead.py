@@ -1,14 +1,16 @@
-"""Host-side cost of one engine decode step: scheduling, step inputs, sampling and output
-processing, with the model's forward pass and LM head replaced by constant tensors, so only the
-work the CPU does around the GPU is timed.
+"""Host-side cost of one engine decode step, the model's forward pass and LM head stubbed out.
 
-    python benchmarks/host_overhead.py 1 32 256
+Scheduling, step inputs, sampling and output processing are timed with the forward pass and the
+LM head replaced by constant tensors, so only the work the CPU does around the GPU is timed, on
+`dummy:tiny` on the CPU.
+
+    python benchmarks/host_overhead.py --sequences 1 32 256
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 
 import torch
@@ -18,6 +20,7 @@ from lab.engine.serve.llm import LLM
 
 
 def host_ms_per_step(num_seqs: int, prompt_tokens: int = 512, steps: int = 40) -> float:
+    """Median milliseconds of one decode step of `num_seqs` sequences, over `steps` steps."""
     llm = LLM("dummy:tiny", max_num_seqs=256, max_model_len=2048, num_kv_blocks=40000)
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
@@ -40,6 +43,16 @@ def host_ms_per_step(num_seqs: int, prompt_tokens: int = 512, steps: int = 40) -
     return 1000 * statistics.median(times)
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, nargs="+", default=[1, 32, 256], help="decoding sequences per step")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="each sequence's prompt")
+    parser.add_argument("--steps", type=int, default=40, help="timed decode steps")
+    args = parser.parse_args()
+    for n in args.sequences:
+        print(f"{n:4d} sequences: {host_ms_per_step(n, args.prompt_tokens, args.steps):.2f} ms host work per decode "
+              f"step (median of {args.steps})", flush=True)
+
+
 if __name__ == "__main__":
-    for n in [int(a) for a in sys.argv[1:]] or [1, 32, 256]:
-        print(f"{n:4d} sequences: {host_ms_per_step(n):.2f} ms host work per decode step (median of 40)")
+    main()

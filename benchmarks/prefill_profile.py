@@ -1,6 +1,8 @@
-"""Where a cold long prefill's time goes: one prompt of each `--lengths`, alone, first timed, then
-run again under torch.profiler, its kernels summed by part (products, attention, the gather of the
-cached prefix, norms, RoPE and KV writes, activation, the rest). Each part stands beside its floor
+"""Where a cold long prefill's time goes, by part, beside each part's floor.
+
+One prompt of each `--lengths`, alone, first timed, then run again under torch.profiler, its
+kernels summed by part (products, attention, the gather of the cached prefix, norms, RoPE and KV
+writes, activation, the rest). Each part stands beside its floor
 at the ceilings measured in the same run: the products' FLOPs (blocks for every token, the LM head
 for the last) and causal attention's FLOPs at the matmul ceiling.
 
@@ -80,7 +82,7 @@ def idle_gaps(events, profiled_s: float, largest: int = 8) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dummy:llama3-8b")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--lengths", default="32768,131000", help="prompt lengths, comma-separated")

@@ -1,4 +1,4 @@
-"""A scripted-timing OpenAI-compatible engine for measuring the lab itself (issue 14's targets).
+"""An OpenAI-compatible engine with scripted timing, for measuring the lab itself.
 
 It behaves like a continuously batching engine with a fixed step: one loop ticks every
 `--step-ms`, and each tick gives one token to every running stream, so the decode figures of a

@@ -1,6 +1,8 @@
-"""Where one decode step's GPU time goes, by kernel, with many requests running: the engine runs
-`--requests` prompts of `--prompt-tokens` until every sequence is `--decode-before` tokens into
-decode, then torch.profiler records `--steps` steps (CUDA graphs as the engine replays them).
+"""Where one decode step's GPU time goes, by kernel, with many requests running.
+
+The engine runs `--requests` prompts of `--prompt-tokens` until every sequence is
+`--decode-before` tokens into decode, then torch.profiler records `--steps` steps (CUDA graphs as
+the engine replays them).
 Beside the kernels, the step's compute-aware floor at the ceilings measured in the same run: per
 part, the larger of its bytes at the copy ceiling and its FLOPs at the matmul ceiling (products:
 every weight but the embedding table, 2 FLOPs a weight a row; attention: the KV of every running
@@ -37,7 +39,7 @@ def part(name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dummy:llama3-8b")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--requests", type=int, default=256)

@@ -19,10 +19,10 @@ the SM twice the work of a bf16 byte (the same dots and softmax per token), plus
 fp16. Two things keep that work off the memory's critical path (paged_tiles): V is read as int16
 pairs and widened in registers before its layout change (Triton would otherwise read the fp8 V
 tile back from shared memory one byte per load), and the block-table lookups run one tile ahead
-so Triton double-buffers the K/V copies (PAGES_AHEAD). On an H200 (bench_kernels.py --sweep
-configs, Llama-3-8B shapes) this read fp8 at 57-62 % of the copy bandwidth at batch 64-256 and
-1K-32K contexts, against 43-49 % before; with two warps a program and the softmax sums kept per
-column until the loop ends, 59-70 % (benchmarks/attention_fp8.py). bf16 reads at 89-106 %.
+so Triton double-buffers the K/V copies (PAGES_AHEAD). Two warps a program, each holding half a
+tile's columns, and softmax sums kept per column until the loop ends cut the exchanges between
+warps per byte read (`_launch_config`). benchmarks/kernels/bench_kernels.py times the variants
+against the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -187,25 +187,18 @@ def _launch_config(device: torch.device, num_splits: int, cache_dtype: torch.dty
         # Interpreter (tests): small tiles so short test contexts still span several tiles; the
         # fp8 path's loop (pages looked up ahead) for every cache, so the tests cover it.
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PAGES_AHEAD": True}
-    # Measured on an H200 with Triton 3.6 (bench_kernels.py --sweep decode / --sweep configs),
-    # Llama-3-8B shapes. Triton pipelines the K/V loads as asynchronous copies but, with the
-    # block-table lookup in the same loop step, into a single buffer: a program has nothing in
-    # flight while it computes, and latency is hidden by programs per SM and bytes per tile.
-    # bf16, many programs (no split, large batch): 64-token tiles read at 89-106 % of the copy
-    # bandwidth, 128 lose 2-5 %; few programs (split, small batch): 128-token tiles. Looking the
-    # pages up ahead (double-buffered copies) made bf16 2.5-3.4 % slower (geometric mean over the
-    # sweep's shapes). fp8 (twice the work per byte): pages ahead, 64-token tiles, 3 stages (two
-    # buffers), four programs per SM: 57-62 % of the copy bandwidth at batch 64-256 (1K-32K).
-    # Geometric-mean time of the alternatives, each at its best split count: 128-token tiles
-    # (with or without pages ahead) 1.05x, 32-token tiles with 4 buffers 1.12x, 64-token tiles
-    # with 3 buffers 1.16x, a 96-register cap 1.18x, fp8 read as Triton lowers it 1.22x, 8 warps
-    # 1.27x. (128-token tiles with 2 splits were 6 % faster at batch 64 / 32K only.)
-    # Then, with the block size a constexpr and the softmax sums deferred to the end of the loop
-    # (benchmarks/attention_fp8.py; ncu: the shared-memory pipe 78 % busy, DRAM 56 %, short-
-    # scoreboard stalls the largest share), 2 warps beat 4: fp8 at batch 256 / 1.5K in 270 against
-    # 283 us (70 % of the copy bandwidth; 326 us before both changes), batch 64 / 4K 182 against
-    # 193, batch 32 / 2K 53.5 against 56.4; batch 1 unchanged. Each warp of 2 holds half the tile's
-    # columns instead of a quarter: fewer cross-warp exchanges per byte.
+    # Chosen on an H200 with Triton 3.6 at Llama-3-8B shapes, from the candidates that
+    # benchmarks/kernels/bench_kernels.py --sweep decode / --sweep configs times. Triton pipelines
+    # the K/V loads as asynchronous copies but, with the block-table lookup in the same loop step,
+    # into a single buffer: a program has nothing in flight while it computes, and latency is
+    # hidden by programs per SM and bytes per tile. bf16, many programs (no split, large batch):
+    # 64-token tiles; few programs (split, small batch): 128-token tiles, more bytes in flight for
+    # each. bf16's work per byte is small enough that looking the pages up ahead (double-buffered
+    # copies) did not pay. fp8 does twice the work per byte, so its copies must overlap its
+    # compute: pages ahead, 64-token tiles, 3 stages (two buffers), four programs per SM, and two
+    # warps rather than four: each warp holds half the tile's columns instead of a quarter, so
+    # fewer exchanges between warps per byte (the softmax sums, kept per column until the loop
+    # ends, need none inside it).
     if cache_dtype in FP8_DTYPES:
         return {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "PAGES_AHEAD": True}
     block_n = 128 if num_splits > 1 else 64

@@ -1,8 +1,9 @@
 """The MLP's SiLU-and-multiply in one pass: gate|up read once, the product written once, where
 PyTorch runs two elementwise kernels (silu, then the multiply: three reads and two writes of a
-[T, I] tensor). At 256 decode rows of Llama-3-8B the pair took 0.73 ms of a 16.9 ms step on an
-H200 (benchmarks/step_profile.py). Same roundings as `lab.engine.model.layers.silu_and_mul`: SiLU in
-float32 rounded to the input dtype, then the product in float32 rounded once."""
+[T, I] tensor). Both are bandwidth bound, so one pass moves three such tensors' bytes instead of
+five (benchmarks/step_profile.py reports it as a step's `activation` part). Same roundings
+as `lab.engine.model.layers.silu_and_mul`: SiLU in float32 rounded to the input dtype, then the
+product in float32 rounded once."""
 
 from __future__ import annotations
 

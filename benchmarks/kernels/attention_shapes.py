@@ -8,8 +8,8 @@ its chunk boundaries. For each backend and each (L, P), fresh shapes in a row: t
 wall time (build and run), then the same shape again (run only), both synchronised, in ms.
 Llama-3-8B heads (32 query, 8 KV, D 128), bf16.
 
-    python benchmarks/attention_shapes.py
-    python benchmarks/attention_shapes.py --device cpu --dtype float32 --shapes 37x0,5x40   # a check that it runs
+    python benchmarks/kernels/attention_shapes.py
+    python benchmarks/kernels/attention_shapes.py --device cpu --dtype float32 --shapes 37x0,5x40  # it runs
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def call_ms(fn, sync) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="LxP pairs, comma-separated")
     parser.add_argument("--backends", default="cudnn,flash")
     parser.add_argument("--repeats", type=int, default=5, help="new shapes per (L, P) and backend")
