@@ -8,7 +8,7 @@ its warm, finished boots of each boot's median of repeats (a control has two boo
 opening and closing one), the same figure the KEEP rule uses.
 
 A change is "better" or "worse" only outside the noise band: the widest of the KEEP threshold, the
-controls' drift of each window involved, and the minimum detectable effect of the stored verdict on
+controls' drift of each window involved, and the minimum detectable effect of the verdict on
 that metric; inside it the row says "within noise" and names what set the band.
 
 Numbers are never cut short: a table wider than the terminal (or than 80 columns when piped) is
@@ -126,7 +126,7 @@ class Row:
     statistics: Statistics | None
     band_pct: float = 0.0  # the widest of threshold, drift and MDE: "better"/"worse" only beyond it
     band_source: str = ""  # what set the band, in words
-    mde_pct: float | None = None  # the stored verdict's minimum detectable effect on this metric
+    mde_pct: float | None = None  # the verdict's minimum detectable effect on this metric
     note: str = ""
     gate: dict[str, bool | None] | None = None  # for a gate: {"a": holds?, "b": holds?}
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from lab.analysis import keep
+from lab.analysis.compare import compare
 from lab.analysis.verdicts import judge, load
+from lab.report.build import write_report
 from lab.runner.run import store_verdicts
 from lab.store import models as m
+from lab.store import writer
 from lab.store.records import Cell
 from tests.report.conftest import LADDER, Boot, build_run
 
@@ -192,3 +195,25 @@ def test_a_gate_scoped_to_some_arms_judges_only_those(store) -> None:
 
 LADDER_SCOPED_GATE = LADDER.replace("    - {metric: memory.host_mem_available_floor_gib, min: 1}",
                                     "    - {metric: memory.host_mem_available_floor_gib, min: 1, arms: [A1]}")
+
+
+def test_a_report_and_a_comparison_after_a_calibration_judge_with_it_and_write_nothing(store, tmp_path) -> None:
+    boots = {label: boot(1000) for label in ("C0ctl/open", "C0ctl/close")} | {"A1": boot(1050)}
+    run_id = build_run(store, boots)
+    store_verdicts(store, run_id, "W1")  # lab run, before any calibration
+    calibration = build_run(store, boots, name="cal")
+    writer.write_noise(store, run_id=calibration, ladder_name="built", host="test", rows=[
+        {"metric": KEY, "boots": 5, "sd_log": 0.05, "df": 3, "drift_pct": 2.5, "mde_pct": 20.0, "repeats": 1,
+         "power": 0.8}])
+    before = stored(store, run_id)
+
+    markdown = (write_report(store, "built", tmp_path) / "index.md").read_text()
+    comparison = compare(store, "built:C0ctl", "built:A1")
+
+    assert before["A1"][0] == "keep" and "calibration run" not in " ".join(before["A1"][1])
+    judged = judge_now(store, run_id)["A1"]
+    assert "calibration run 2 (5 control boots)" in " ".join(judged.reasons)
+    assert str(judged.decision) != "keep"  # a 5 % gain inside a 5 % boot-to-boot noise is not established
+    assert comparison.verdicts["A1"]["decision"] == str(judged.decision)
+    assert f"A1: {judged.reasons[0]}" in markdown
+    assert stored(store, run_id) == before
