@@ -151,7 +151,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from lab.report.listing import print_run, print_runs
     from lab.store.db import open_store
 
-    store = open_store(args.db, create=False)
+    store = open_store(args.db, read_only=True)
     try:
         if args.run:
             print_run(_console(stdout=True), store, args.run)
@@ -193,7 +193,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from lab.analysis.compare import compare, print_comparison
     from lab.store.db import open_store
 
-    store = open_store(args.db, create=False)
+    store = open_store(args.db, read_only=True)
     try:
         comparison = compare(store, args.a, args.b)
     finally:
@@ -221,7 +221,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.study and args.run:
         raise UsageError("give a RUN or --study NAME, not both")
-    store = open_store(args.db, create=False)
+    store = open_store(args.db, read_only=True)
     try:
         if args.study:
             from lab.report.tune import write_tune_report
@@ -248,7 +248,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from lab.report.export import export_run
     from lab.store.db import open_store
 
-    store = open_store(args.db, create=False)
+    store = open_store(args.db, read_only=True)
     try:
         path = export_run(store, args.run, args.format, args.out)
     finally:
@@ -307,7 +307,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     from lab.store.db import open_store
 
     out = _console(stdout=True)
-    store = open_store(args.db, create=False)
+    store = open_store(args.db, read_only=True)
     try:
         if args.series is None:
             points = reader.series_points(store)
@@ -442,7 +442,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lab.runner.serve_best import choose, exec_engine
     from lab.store.db import open_store
 
-    store = open_store(args.db, create=False)
+    store = open_store(args.db, read_only=True)
     try:
         chosen = choose(store, args.best, args.arm, args.host, args.port)
     finally:

@@ -18,12 +18,15 @@ LAB = Path(__file__).resolve().parents[1] / "lab"
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports; `from lab.store import models` counts as lab.store and
+    lab.store.models (each name imported from a package may be a module of it)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -157,6 +160,23 @@ def test_only_the_store_talks_to_the_database(path: Path) -> None:
         return
     sql = {m for m in imported_modules(path) if m.split(".")[0] == "sqlalchemy"}
     assert not sql, f"{path.relative_to(LAB)} imports {sorted(sql)}: queries belong in lab/store"
+
+
+@pytest.mark.parametrize("path", _lab_modules(), ids=lambda p: str(p.relative_to(LAB)))
+def test_only_the_store_sees_its_tables(path: Path) -> None:
+    """Readers hand out records (`lab.store.rows`), never ORM rows: a row outside the session that
+    loaded it is a detached object whose lazy attributes fail far from the query."""
+    if path.is_relative_to(LAB / "store"):
+        return
+    assert "lab.store.models" not in imported_modules(path), \
+        f"{path.relative_to(LAB)} imports lab.store.models: read records through lab.store.reader"
+
+
+@pytest.mark.parametrize("path", sorted([*(LAB / "analysis").rglob("*.py"), *(LAB / "report").rglob("*.py")]),
+                         ids=lambda p: str(p.relative_to(LAB)))
+def test_analysis_and_reports_never_write_to_the_store(path: Path) -> None:
+    """`lab report`, `lab compare` and the analysis they share only read: only the runner writes."""
+    assert "lab.store.writer" not in imported_modules(path), f"{path.relative_to(LAB)} imports lab.store.writer"
 
 
 @pytest.mark.parametrize("path", sorted((LAB / "store").rglob("*.py")), ids=lambda p: str(p.relative_to(LAB)))

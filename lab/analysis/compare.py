@@ -8,7 +8,7 @@ its warm, finished boots of each boot's median of repeats (a control has two boo
 opening and closing one), the same figure the KEEP rule uses.
 
 A change is "better" or "worse" only outside the noise band: the widest of the KEEP threshold, the
-controls' drift of each window involved, and the minimum detectable effect of the stored verdict on
+controls' drift of each window involved, and the minimum detectable effect of the verdict on
 that metric; inside it the row says "within noise" and names what set the band.
 
 Numbers are never cut short: a table wider than the terminal (or than 80 columns when piped) is
@@ -21,8 +21,9 @@ Statistics only where there are repeats, and the table says which was used:
 - an exact (or normal-approximation) Mann-Whitney p only when the sample sizes can reach
   p < 0.05 at all (4 vs 4 or more: 3 vs 3 never can); otherwise it says so.
 
-Verdicts are judged again from the stored cells (and stored) for every run involved, so the
-table shows exactly what the rule decides on the data as it is now.
+Verdicts are judged again in memory from the stored cells for every run involved (the newest
+calibration included), so the table shows exactly what the rule decides on the data as it is now;
+nothing is written, so a read-only store compares as well.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class Row:
     statistics: Statistics | None
     band_pct: float = 0.0  # the widest of threshold, drift and MDE: "better"/"worse" only beyond it
     band_source: str = ""  # what set the band, in words
-    mde_pct: float | None = None  # the stored verdict's minimum detectable effect on this metric
+    mde_pct: float | None = None  # the verdict's minimum detectable effect on this metric
     note: str = ""
     gate: dict[str, bool | None] | None = None  # for a gate: {"a": holds?, "b": holds?}
 
@@ -143,7 +144,7 @@ class Comparison:
     threshold_pct: float
     rows: list[Row]
     quality: Quality
-    verdicts: dict[str, dict[str, Any] | None]  # side ref -> stored verdict (None: a control, or no rule)
+    verdicts: dict[str, dict[str, Any] | None]  # side ref -> its verdict (None: a control, or no rule)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,7 +192,7 @@ def compare(store: Store, a_ref: str, b_ref: str) -> Comparison:
     if a.ref == b.ref:
         raise CompareError(f"both sides are {a.ref}; name two different arms")
 
-    judged = {run_id: verdicts.judge_run(store, run_id) for run_id in runs}
+    judged = {run_id: verdicts.judge(evidence) for run_id, evidence in runs.items()}
     spec = b.evidence.spec
     threshold = spec.rule.threshold_pct if spec.rule else keep.DEFAULT_THRESHOLD_PCT
     notes = a.left_out() + b.left_out()

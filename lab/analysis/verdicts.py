@@ -11,8 +11,15 @@ A key metric or gate names `instrument.metric` and optionally `where` params; th
 selects must share one set of params (their repeats are the boot's values). Cells of several
 params sets are ambiguous: the figure is missing and the reason asks for a narrower `where`.
 
-Verdicts are stored per run and arm; judging again replaces them, so `lab run` (when a window
-closes), `lab compare` and `lab report` can all judge the same data and agree.
+Judging is `judge`, a pure function of a run's evidence (`load`: its stored cells and the newest
+calibration of its ladder on the host it booted on); this module never writes. `lab run` stores each
+window's verdicts when the window closes (`lab.runner.run.store_verdicts`, table `verdict`): the
+run's record of what it decided, for exports, notebooks and SQL. Every other command that shows or
+acts on a verdict (`lab report`, `lab compare`, `lab serve --best`, a tune study's confirmation)
+judges again in memory and writes nothing, never reading the stored verdict: judging is
+deterministic on the evidence, so it gives the stored verdict while nothing changed and the current
+one after the evidence did (a newer `lab calibrate` of the ladder, a resumed window), and a store
+on a read-only path, a read-only database user or a notebook gets the same answer.
 """
 
 from __future__ import annotations
@@ -28,8 +35,7 @@ from lab.analysis.stats import median_of_repeats
 from lab.instruments import REGISTRY
 from lab.ladder.ladder import Ladder
 from lab.ladder.validate import parse_ladder
-from lab.store import models as m
-from lab.store import reader, writer
+from lab.store import reader
 from lab.store.db import Store
 
 # A failed boot's reason can be a log line; the verdict needs only its gist.
@@ -348,28 +354,23 @@ def load(store: Store, run_id: int) -> RunEvidence:
     rows = reader.run_rows(store, run_id)
     run = rows.run
     ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
-    arm_names = {a.id: a.name for a in rows.arms}
     by_slot: dict[int, list[StoredCell]] = {}
     for c in rows.cells:
         by_slot.setdefault(c.slot_id, []).append(StoredCell(c.instrument, c.metric, dict(c.params), c.repeat,
                                                             c.value, c.unit, c.valid, c.boot_id,
                                                             c.note or ""))
-    boots_of: dict[int, list[m.Boot]] = {}
-    for b in rows.boots:
-        boots_of.setdefault(b.slot_id, []).append(b)
     stored = []
     for slot in rows.slots:
         slot_cells = tuple(by_slot.get(slot.id, ()))
-        slot_boots = boots_of.get(slot.id, [])
         producing = {c.boot_id for c in slot_cells}
-        last = slot_boots[-1] if slot_boots else None
+        last = slot.boots[-1] if slot.boots else None
         reason = None
         if last is not None and last.reason:
             reason = last.reason.strip().splitlines()[0][:_REASON_CHARS]
         stored.append(SlotCells(
-            id=slot.id, idx=slot.idx, arm=arm_names[slot.arm_id], role=slot.role, position=slot.position,
-            window=slot.window, status=slot.status, boot_statuses=tuple(b.status for b in slot_boots),
-            reason=reason, cold=any(b.cold for b in slot_boots if b.id in producing), cells=slot_cells))
+            id=slot.id, idx=slot.idx, arm=slot.arm, role=slot.role, position=slot.position,
+            window=slot.window, status=slot.status, boot_statuses=tuple(b.status for b in slot.boots),
+            reason=reason, cold=any(b.cold for b in slot.boots if b.id in producing), cells=slot_cells))
     return RunEvidence(run_id, run.name, ladder, rule_spec(ladder), stored,
                        {a.name: (a.role, a.window) for a in rows.arms}, metric_directions(ladder),
                        _noise(store, run.ladder_name, run_id))
@@ -393,27 +394,24 @@ def judge_arm(evidence: RunEvidence, rule: keep.KeepRule, arm: str) -> keep.Verd
     return replace(verdict, reasons=verdict.reasons + [n for n in notes if n not in verdict.reasons])
 
 
-def judge_run(store: Store, run_id: int, window: str | None = None) -> dict[str, keep.Verdict]:
-    """Judge every arm of the run (or of one window), store each verdict with its reasons, return them.
+def judge(evidence: RunEvidence, window: str | None = None) -> dict[str, keep.Verdict]:
+    """The KEEP verdict of every arm of the run (or of one window), in ladder order; nothing is written.
 
     A ladder without key metrics has nothing to judge: no verdicts.
     """
-    evidence = load(store, run_id)
     rule = evidence.spec.rule
-    verdicts: dict[str, keep.Verdict] = {}
     if rule is None:
-        return verdicts
-    for arm in evidence.arms("arm"):
-        if window is not None and evidence.window(arm) != window:
-            continue
-        verdict = judge_arm(evidence, rule, arm)
-        control = evidence.control_of(evidence.window(arm))
-        opening, closing = evidence.controls(evidence.window(arm))
-        detail = {**verdict.to_dict(), "window": evidence.window(arm), "control": control,
-                  "boots": {"arm": [s.label for s in evidence.arm_slots(arm)],
-                            "opening_control": opening.label if opening else None,
-                            "closing_control": closing.label if closing else None}}
-        writer.write_verdict(store, run_id=run_id, arm=arm, decision=str(verdict.decision), reasons=verdict.reasons,
-                             detail=detail)
-        verdicts[arm] = verdict
-    return verdicts
+        return {}
+    return {arm: judge_arm(evidence, rule, arm) for arm in evidence.arms("arm")
+            if window is None or evidence.window(arm) == window}
+
+
+def detail(evidence: RunEvidence, arm: str, verdict: keep.Verdict) -> dict[str, Any]:
+    """A verdict as the store keeps it and the report tabulates it: `keep.Verdict.to_dict()` with the
+    window, its control and the boots it was judged on."""
+    window = evidence.window(arm)
+    opening, closing = evidence.controls(window)
+    return {**verdict.to_dict(), "window": window, "control": evidence.control_of(window),
+            "boots": {"arm": [s.label for s in evidence.arm_slots(arm)],
+                      "opening_control": opening.label if opening else None,
+                      "closing_control": closing.label if closing else None}}

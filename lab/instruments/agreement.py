@@ -50,8 +50,8 @@ from lab.instruments.base import Better, BootContext
 from lab.instruments.client import StreamingClient
 from lab.instruments.opening_control import is_opening_control, load_reference
 from lab.instruments.receipt import Receipt
-from lab.store import models as m
 from lab.store.records import Cell, Step, StepResult
+from lab.store.rows import RequestRecord
 
 # (id, prompt): short and varied, so the set exercises prose, code, numbers, lists and structure.
 PROMPTS: tuple[tuple[str, str], ...] = (
@@ -110,7 +110,7 @@ class Generation:
         return _generation(_key(r.endpoint, r.payload), r.text, r.error, lps)
 
     @classmethod
-    def from_stored(cls, r: m.Request) -> Generation:
+    def from_stored(cls, r: RequestRecord) -> Generation:
         lps = None if r.logprobs is None else [(t["token"], t["logprob"], t.get("top") or {}) for t in r.logprobs]
         return _generation(_key(r.endpoint, r.payload or {}), r.text or "", r.error, lps)
 

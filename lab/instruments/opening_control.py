@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lab.instruments.base import BootContext
-from lab.store import models as m
+from lab.store.rows import QevalItemRecord, RequestRecord
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,8 @@ class Reference:
     """One instrument's rows on the opening control, or why there are none to compare with."""
 
     boot_id: int | None
-    items: list[m.QevalItem] = field(default_factory=list)
-    requests: list[m.Request] = field(default_factory=list)
+    items: list[QevalItemRecord] = field(default_factory=list)
+    requests: list[RequestRecord] = field(default_factory=list)
     problem: str | None = None  # set when this cannot serve as a reference
 
 

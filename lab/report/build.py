@@ -1,5 +1,6 @@
-"""`lab report [RUN]`: judge the run again from its cells, then write `<out>/<run name>/` with
-`index.md`, a self-contained `index.html` and one PNG per figure.
+"""`lab report [RUN]`: write `<out>/<run name>/` with `index.md`, a self-contained `index.html` and
+one PNG per figure. The KEEP verdicts are judged in memory from the run's cells with the newest
+calibration (`lab.report.data`); the store is only read.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab.analysis import verdicts
 from lab.ladder.validate import parse_ladder
 from lab.report import history_page
 from lab.report import document as doc
@@ -41,7 +41,6 @@ def pick_run(store: Store, ref: str | None) -> tuple[int, str]:
 def write_report(store: Store, ref: str | None, out: str | Path = "reports") -> Path:
     """Write the report of a run (default: the latest) and return its directory."""
     run_id, name = pick_run(store, ref)
-    verdicts.judge_run(store, run_id)
     data = load(store, run_id)
     ladder = parse_ladder(data.run["ladder_text"], f"{name} (stored ladder)")
     drawn = draw_all(data, [instrument for instrument, _ in ladder.instruments.sections()])

@@ -3,6 +3,8 @@
 `RunData` holds a run's stored tables (`lab.store.frames`, what `lab export` writes) and adds to
 cells, boots, steps and qeval items the slot they belong to (arm, role, position, window, a
 readable label), so a figure can group by arm without joining anything itself. Times are UTC.
+Its verdicts are judged now from the cells (`lab.analysis.verdicts.judge`), not read from the
+stored verdict table, so a report says what the KEEP rule decides on the data as it is now.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from lab.analysis import verdicts as keep_verdicts
 from lab.store.db import Store
 from lab.store.frames import run_tables
 
@@ -25,7 +28,7 @@ class RunData:
     steps: pd.DataFrame  # + the same slot columns
     cells: pd.DataFrame  # + the same slot columns, and the boot's cold flag and status
     qeval: pd.DataFrame  # qeval items + the same slot columns
-    verdicts: pd.DataFrame  # + arm, window
+    verdicts: pd.DataFrame  # arm, window, decision, reasons, detail (`lab.analysis.verdicts.detail`)
 
     def instrument_cells(self, instrument: str) -> pd.DataFrame:
         """Valid cells of one instrument from warm, finished boots, params expanded into columns."""
@@ -40,8 +43,7 @@ class RunData:
 
 
 def load(store: Store, run_id: int) -> RunData:
-    raw = run_tables(store, run_id, include=("runs", "arms", "slots", "boots", "steps", "cells", "qeval_items",
-                                             "verdicts"))
+    raw = run_tables(store, run_id, include=("runs", "arms", "slots", "boots", "steps", "cells", "qeval_items"))
     arms = raw["arms"]
     names = arms.set_index("id")["name"]
     slots = raw["slots"].assign(arm=lambda f: f["arm_id"].map(names))
@@ -55,10 +57,17 @@ def load(store: Store, run_id: int) -> RunData:
         boots.set_index("id")[["cold", "status", "attempt"]].rename(columns={"status": "boot_status"}), on="boot_id")
     qeval = raw["qeval_items"].join(slot_columns, on="slot_id").join(
         boots.set_index("id")[["cold"]], on="boot_id")
-    verdicts = raw["verdicts"].assign(arm=lambda f: f["arm_id"].map(names),
-                                      window=lambda f: f["arm_id"].map(arms.set_index("id")["window"]))
     return RunData(run=raw["runs"].iloc[0].to_dict(), arms=arms, slots=slots, boots=boots, steps=steps, cells=cells,
-                   qeval=qeval, verdicts=verdicts)
+                   qeval=qeval, verdicts=judged(store, run_id))
+
+
+def judged(store: Store, run_id: int) -> pd.DataFrame:
+    """One row per judged arm, in ladder order: its KEEP verdict on the run's cells as they are now."""
+    evidence = keep_verdicts.load(store, run_id)
+    rows = [{"arm": arm, "window": evidence.window(arm), "decision": str(verdict.decision),
+             "reasons": list(verdict.reasons), "detail": keep_verdicts.detail(evidence, arm, verdict)}
+            for arm, verdict in keep_verdicts.judge(evidence).items()]
+    return pd.DataFrame(rows, columns=["arm", "window", "decision", "reasons", "detail"])
 
 
 def slot_label(arm: str, role: str, position: str) -> str:

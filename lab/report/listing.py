@@ -12,6 +12,7 @@ from lab.instruments.capabilities import summary
 from lab.ladder.render import Plan
 from lab.store import reader
 from lab.store.db import Store
+from lab.store.rows import CellHealth
 
 STATUS_STYLE = {"done": "green", "running": "yellow", "ready": "yellow", "starting": "yellow", "pending": "dim"}
 TAIL_LINES = 8
@@ -54,11 +55,11 @@ def print_run(console: Console, store: Store, ref: str) -> None:
     for slot in reader.slots(store, run.id):
         role = slot.role if slot.role != "control" else f"control/{slot.position}"
         if not slot.boots:
-            boots.add_row(str(slot.idx), slot.window or "-", slot.arm.name, role, "-", _status("pending"), "", "", "",
+            boots.add_row(str(slot.idx), slot.window or "-", slot.arm, role, "-", _status("pending"), "", "", "",
                           "", "", "")
         for boot in slot.boots:
             probed.append((slot, boot))
-            boots.add_row(str(slot.idx), slot.window or "-", slot.arm.name, role, str(boot.attempt),
+            boots.add_row(str(slot.idx), slot.window or "-", slot.arm, role, str(boot.attempt),
                           _status(boot.status), "cold" if boot.cold else "",
                           f"{boot.ready_s:.1f}" if boot.ready_s is not None else "",
                           "" if boot.exit_status is None else str(boot.exit_status), boot.stopped_by or "",
@@ -69,7 +70,7 @@ def print_run(console: Console, store: Store, ref: str) -> None:
     _print_capabilities(console, probed)
     for slot, boot in failed:
         tail = "\n".join(boot.log_tail.rstrip().splitlines()[-TAIL_LINES:])
-        console.print(f"[bold]{slot.idx:02d} {slot.arm.name}[/] try {boot.attempt}, {boot.log_path}:", highlight=False)
+        console.print(f"[bold]{slot.idx:02d} {slot.arm}[/] try {boot.attempt}, {boot.log_path}:", highlight=False)
         console.print(escape(tail), style="dim", highlight=False)
 
 
@@ -86,7 +87,7 @@ def _print_capabilities(console: Console, boots: list) -> None:
         console.print(f"  boots {', '.join(which)}: {escape(line)}", highlight=False)
 
 
-def _cells(health: reader.CellHealth | None) -> str:
+def _cells(health: CellHealth | None) -> str:
     """`41 valid`, or `41 valid, 4 invalid (3: the response carried no usage)`: why a boot that is
     done still judges nothing."""
     if health is None:

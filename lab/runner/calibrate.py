@@ -22,16 +22,16 @@ from lab.analysis import effects, verdicts
 from lab.analysis.stats import median_of_repeats, noise_band
 from lab.ladder.validate import load_ladder, parse_ladder
 from lab.runner.run import create_from_text
-from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store
+from lab.store.rows import RunRecord
 
 log = logging.getLogger("lab.calibrate")
 MIN_BOOTS = 3  # two controls bracket the third: one A/A effect
 
 
 def create(store: Store, ladder_path: str | Path, boots: int, name: str | None,
-           runs_dir: str | Path = "runs") -> tuple[m.Run, int]:
+           runs_dir: str | Path = "runs") -> tuple[RunRecord, int]:
     """Validate the ladder, then store the A/A run (its control booted `boots` times in one window);
     returns the run and the ladder's own `repeats:`, which the minimum detectable effect is for."""
     if boots < MIN_BOOTS:

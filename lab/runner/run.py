@@ -25,6 +25,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lab.analysis import verdicts
+from lab.analysis.keep import Verdict
 from lab.instruments import REGISTRY
 from lab.ladder import render
 from lab.ladder.ladder import Ladder
@@ -33,9 +34,9 @@ from lab.runner import boot as engine_boot
 from lab.runner import fingerprint
 from lab.runner.errors import Interrupted, RunError
 from lab.runner.slot import RunContext, run_slot
-from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store
+from lab.store.rows import ArmRecord, RunRecord, SlotRecord
 
 log = logging.getLogger("lab.run")
 
@@ -51,14 +52,14 @@ class Outcome:
     out_of_time: str | None = None
 
 
-def create(store: Store, ladder_path: str | Path, name: str | None = None, runs_dir: str | Path = "runs") -> m.Run:
+def create(store: Store, ladder_path: str | Path, name: str | None = None, runs_dir: str | Path = "runs") -> RunRecord:
     """Validate the ladder and store the run with its arms and planned slots."""
     ladder, text = load_ladder(ladder_path)
     return create_from_text(store, ladder, text, ladder_path, name, runs_dir)
 
 
 def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str | Path, name: str | None,
-                     runs_dir: str | Path, stem: str | None = None) -> m.Run:
+                     runs_dir: str | Path, stem: str | None = None) -> RunRecord:
     """Store a run of a ladder already validated from `text` (a calibration derives its own)."""
     plan = render.plan(ladder)
     taken = {r.name for r in reader.list_runs(store)}
@@ -81,7 +82,7 @@ def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str |
 BUDGET_MARGIN = 1.15
 
 
-def execute(store: Store, run: m.Run, console: Console, time_budget_s: float | None = None) -> Outcome:
+def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None = None) -> Outcome:
     """Boot every pending slot of the run in order; marks the run done, interrupted on Ctrl-C/SIGTERM,
     or failed with the reason when an exception ends it. With `time_budget_s`, a boot starts only
     when the time left can hold it, judged by the longest boot of its kind (warm-up or measured)
@@ -100,7 +101,7 @@ def execute(store: Store, run: m.Run, console: Console, time_budget_s: float | N
                        "left") from exc
 
 
-def _execute(store: Store, run: m.Run, console: Console, time_budget_s: float | None) -> Outcome:
+def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None) -> Outcome:
     began = time.monotonic()
     ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
     plan = render.plan(ladder)
@@ -128,14 +129,14 @@ def _execute(store: Store, run: m.Run, console: Console, time_budget_s: float | 
                 status = run_slot(rc, slot)
                 outcome.boots[status] = outcome.boots.get(status, 0) + 1
                 outcome.measured_done += status == "done" and slot.role != "warmup"
-                label = f"{slot.idx:02d} {slot.arm.name}" + (f" ({slot.position})" if slot.role != "arm" else "")
+                label = f"{slot.idx:02d} {slot.arm}" + (f" ({slot.position})" if slot.role != "arm" else "")
                 if status != "done":
                     outcome.failures.append(f"{label}: {status}")
                 progress.console.print(f"{'✓' if status == 'done' else '✗'} {label}: {status}")
                 if slot.position == "close" and slot.window:
                     # The window is complete: judge its arms now, so the store holds verdicts even if
                     # a later window is interrupted.
-                    for arm, verdict in verdicts.judge_run(store, run.id, slot.window).items():
+                    for arm, verdict in store_verdicts(store, run.id, slot.window).items():
                         progress.console.print(f"  KEEP {arm}: [bold]{verdict.decision}[/] "
                                                f"({escape(verdict.reasons[0])})")
                 progress.advance(task)
@@ -156,14 +157,26 @@ def _execute(store: Store, run: m.Run, console: Console, time_budget_s: float | 
     return outcome
 
 
-def _out_of_time(store: Store, run: m.Run, slot: m.Slot, left_s: float) -> str | None:
+def _out_of_time(store: Store, run: RunRecord, slot: SlotRecord, left_s: float) -> str | None:
     """Why `slot` must not start with `left_s` seconds of the budget left, or None when it may."""
     longest = reader.longest_boot_s(store, run.id, warmup=slot.role == "warmup")
     if longest is None or longest * BUDGET_MARGIN <= left_s:
         return None
     kind = "warm-up" if slot.role == "warmup" else "measured"
     return (f"{max(left_s, 0):.0f} s of the time budget left, and this run's longest {kind} boot took "
-            f"{longest:.0f} s: stopped before slot {slot.idx} ({slot.arm.name})")
+            f"{longest:.0f} s: stopped before slot {slot.idx} ({slot.arm})")
+
+
+def store_verdicts(store: Store, run_id: int, window: str) -> dict[str, Verdict]:
+    """Judge the arms of a window that just closed and store their verdicts, each replacing any
+    earlier one of its arm: the run's record of what it decided. Only `lab run` writes verdicts;
+    every reader judges again in memory (`lab.analysis.verdicts`)."""
+    evidence = verdicts.load(store, run_id)
+    judged = verdicts.judge(evidence, window)
+    for arm, verdict in judged.items():
+        writer.write_verdict(store, run_id=run_id, arm=arm, decision=str(verdict.decision), reasons=verdict.reasons,
+                             detail=verdicts.detail(evidence, arm, verdict))
+    return judged
 
 
 def _one_line(exc: BaseException) -> str:
@@ -171,23 +184,23 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
 
 
-def resume(store: Store, ref: str) -> m.Run:
+def resume(store: Store, ref: str) -> RunRecord:
     run = reader.find_run(store, ref)
     if run.status == "done" and all(s.status != "pending" for s in reader.slots(store, run.id)):
         raise RunError(f"run {run.name} is already complete; `lab ls {run.name}` shows it")
     return run
 
 
-def _check_plan(run: m.Run, plan: render.Plan, slots: list[m.Slot], arms: list[m.Arm]) -> None:
+def _check_plan(run: RunRecord, plan: render.Plan, slots: list[SlotRecord], arms: list[ArmRecord]) -> None:
     """A resumed run must plan exactly what was stored, or its cells would not line up."""
-    stored = [(s.idx, s.arm.name, s.role, s.position, s.window) for s in slots]
+    stored = [(s.idx, s.arm, s.role, s.position, s.window) for s in slots]
     planned = [(s.idx, s.arm, s.role, s.position, s.window) for s in plan.slots]
     hashes = {a.name: a.config_hash for a in arms}
     if stored != planned or hashes != {a.name: a.config_hash for a in plan.arms}:
         raise RunError(f"run {run.name} was planned differently by an earlier lab version; start a new run instead")
 
 
-def _claim(store: Store, run: m.Run) -> None:
+def _claim(store: Store, run: RunRecord) -> None:
     """Refuse a run another live `lab run` is working on; otherwise take it over."""
     if run.owner_pid is not None and run.owner_pid != os.getpid():
         try:
@@ -201,7 +214,7 @@ def _claim(store: Store, run: m.Run) -> None:
     writer.claim_run(store, run.id, me.pid, me.create_time())
 
 
-def _stop_left_behind(store: Store, run: m.Run, grace_s: float) -> None:
+def _stop_left_behind(store: Store, run: RunRecord, grace_s: float) -> None:
     """Engines of a `lab run` that was killed outright: stop their process groups, mark them interrupted."""
     for boot in reader.live_boots(store, run.id):
         stopped = boot.pid is not None and engine_boot.stop_orphan(boot.pid, boot.pid_started, grace_s)

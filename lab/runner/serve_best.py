@@ -1,5 +1,8 @@
 """`lab serve --best RUN`: put the configuration the KEEP rule kept into service.
 
+The verdicts are judged from the run's stored cells as `lab report` judges them
+(`lab.analysis.verdicts`), so what is served is the arm the report shows as kept.
+
 The arm is re-rendered from the run's stored ladder text, and its config hash must equal the one
 stored with the run: what is served is what was measured, or the command refuses. The engine then
 replaces this process (exec), so it runs in the foreground and gets the terminal's signals itself.
@@ -12,6 +15,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
+from lab.analysis import verdicts as keep_verdicts
 from lab.ladder import launch as arm_launch
 from lab.ladder import render
 from lab.ladder.validate import parse_ladder
@@ -45,12 +49,12 @@ class Chosen:
 def choose(store: Store, run_ref: str, arm: str | None, host: str, port: int) -> Chosen:
     """The run's one kept arm, or `arm` whatever its verdict; ServeError says why there is none."""
     run = reader.find_run(store, run_ref)
-    verdicts = reader.verdicts(store, run.id)
+    verdicts = keep_verdicts.judge(keep_verdicts.load(store, run.id))
     stored = {a.name: a for a in reader.arms(store, run.id)}
     if arm is None:
         kept = [name for name, v in verdicts.items() if v.decision == "keep"]
         if not kept:
-            why = "; ".join(f"{name}: {v.decision} ({v.reasons[0] if v.reasons else 'no reason stored'})"
+            why = "; ".join(f"{name}: {v.decision} ({v.reasons[0] if v.reasons else 'no reason given'})"
                             for name, v in verdicts.items()) or "no arm has a verdict"
             raise ServeError(f"run {run.name} kept no arm ({why}); serve one anyway with --arm NAME")
         if len(kept) > 1:
@@ -66,9 +70,9 @@ def choose(store: Store, run_ref: str, arm: str | None, host: str, port: int) ->
         raise ServeError(f"arm {arm} renders to config {spec.config_hash} here but was measured as "
                          f"{stored[arm].config_hash}; this lab version would not serve what run {run.name} measured")
     verdict = verdicts.get(arm)
-    decision = verdict.decision if verdict else stored[arm].role
+    decision = str(verdict.decision) if verdict else stored[arm].role
     reason = (verdict.reasons[0] if verdict and verdict.reasons else
-              "the unchanged base" if stored[arm].role == "control" else "no verdict stored")
+              "the unchanged base" if stored[arm].role == "control" else "not judged: the ladder names no key metric")
     return Chosen(run.name, arm, stored[arm].window, decision, reason, spec.config_hash,
                   arm_launch.launch(ladder, spec, port, host))
 

@@ -26,10 +26,10 @@ from lab.runner.engine_control import ProcessControl
 from lab.runner.fingerprint import engine_version
 from lab.runner.hygiene import wait_for_memory
 from lab.runner.mem_sampler import MemSampler
-from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store
 from lab.store.records import Cell, StepResult
+from lab.store.rows import SlotRecord
 from lab.store.stored_rows import StoredRows
 
 log = logging.getLogger("lab.run")
@@ -52,15 +52,15 @@ class RunContext:
     status: Callable[[str], None] = field(default=lambda text: None)
 
 
-def log_path(rc: RunContext, slot: m.Slot, attempt: int) -> Path:
+def log_path(rc: RunContext, slot: SlotRecord, attempt: int) -> Path:
     suffix = f"-{slot.position}" if slot.role != "arm" else ""
     again = f"-a{attempt}" if attempt > 1 else ""
-    return rc.logs_dir / "boots" / f"{slot.idx:02d}-{slot.arm.name}{suffix}{again}.log"
+    return rc.logs_dir / "boots" / f"{slot.idx:02d}-{slot.arm}{suffix}{again}.log"
 
 
-def run_slot(rc: RunContext, slot: m.Slot) -> str:
+def run_slot(rc: RunContext, slot: SlotRecord) -> str:
     """Boot and measure one slot; returns the boot's final status."""
-    label = f"{slot.window or 'warm-up'} {slot.arm.name}" + (f" ({slot.position})" if slot.role == "control" else "")
+    label = f"{slot.window or 'warm-up'} {slot.arm}" + (f" ({slot.position})" if slot.role == "control" else "")
     engine = rc.ladder.engine
     hygiene = rc.ladder.hygiene
     rc.status(f"{label}: checking host memory")
@@ -68,7 +68,7 @@ def run_slot(rc: RunContext, slot: m.Slot) -> str:
                            on_wait=lambda avail, waited: rc.status(
                                f"{label}: waiting for MemAvailable ≥ {hygiene.min_mem_available_gib:g} GiB "
                                f"({avail / 2**30:.1f} GiB, {waited:.0f} s)"))
-    arm = rc.plan.arm(slot.arm.name)
+    arm = rc.plan.arm(slot.arm)
     port = engine_boot.free_port()
     spec = arm_launch.launch(rc.ladder, arm, port)
     env, removed = engine_boot.child_env(spec.env)
@@ -165,7 +165,7 @@ def _check(rc: RunContext, proc: engine_boot.EngineProcess,
     return None, {"v1_models": models} if status == 200 else None, not warmed_before
 
 
-def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: m.Slot) -> dict[str, Any]:
+def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: SlotRecord) -> dict[str, Any]:
     """The capability probe's findings for this boot, with the ladder's largest prompt."""
     largest = MIN_PROBE_PROMPT
     for name, params in rc.ladder.instruments.sections():
@@ -246,7 +246,7 @@ def _describe(built: list[dict[str, Any]]) -> str:
     return ", ".join(words)
 
 
-def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm_launch.Launch,
+def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec: arm_launch.Launch,
              proc: engine_boot.EngineProcess, sampler: MemSampler, label: str,
              caps: dict[str, Any]) -> str | None:
     """Run every instrument step not yet stored for this slot; the reason if the engine died. An
@@ -257,13 +257,13 @@ def _measure(rc: RunContext, slot: m.Slot, boot_id: int, attempt: int, spec: arm
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/{attempt}/{boot_id}".encode()).hexdigest()[:12]
     engine = rc.ladder.engine
     control = ProcessControl(rc.store, boot_id, proc, spec, engine.ready_timeout_s, engine.stop_grace_s,
-                             arm_launch.offline_argv(rc.ladder, rc.plan.arm(slot.arm.name)),
+                             arm_launch.offline_argv(rc.ladder, rc.plan.arm(slot.arm)),
                              status=lambda text: rc.status(f"{label}: {text}"))
     for name, params in rc.ladder.instruments.sections():
         instrument = rc.instruments[name]
         ctx = BootContext(base_url=spec.base_url, api_base=spec.api_base, model=spec.model, api_key=spec.api_key,
                           run_id=rc.run_id, run_name=rc.run_name, slot_id=slot.id, boot_id=boot_id,
-                          arm=slot.arm.name, window=slot.window, role=slot.role,  # type: ignore[arg-type]
+                          arm=slot.arm, window=slot.window, role=slot.role,  # type: ignore[arg-type]
                           position=slot.position, salt=salt,  # type: ignore[arg-type]
                           engine_kind=rc.ladder.engine.kind, params=params, stored=StoredRows(rc.store),
                           control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
@@ -316,7 +316,7 @@ def _may_be_gone(receipt: Receipt) -> bool:
     return receipt.error is not None and not (receipt.status is not None and 400 <= receipt.status < 500)
 
 
-def _fail(rc: RunContext, slot: m.Slot, boot_id: int, status: str, reason: str | None,
+def _fail(rc: RunContext, slot: SlotRecord, boot_id: int, status: str, reason: str | None,
           proc: engine_boot.EngineProcess | None, sampler: MemSampler | None = None) -> str:
     fields: dict[str, Any] = {}
     if proc is not None:
@@ -328,5 +328,5 @@ def _fail(rc: RunContext, slot: m.Slot, boot_id: int, status: str, reason: str |
         fields["mem_available_floor"] = sampler.floor_bytes()
     writer.update_boot(rc.store, boot_id, status=status, reason=reason, **fields)
     writer.set_slot_status(rc.store, slot.id, "failed")
-    log.warning("%s %s: %s", slot.arm.name, status, reason)
+    log.warning("%s %s: %s", slot.arm, status, reason)
     return status

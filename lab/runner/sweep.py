@@ -20,9 +20,9 @@ from lab.ladder.validate import load_ladder, parse_ladder
 from lab.runner import fingerprint
 from lab.runner.errors import RunError
 from lab.runner.run import create_from_text
-from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store
+from lab.store.rows import RunRecord
 
 log = logging.getLogger("lab.sweep")
 
@@ -32,7 +32,7 @@ def series_name(ladder_name: str, host: str, control_hash: str) -> str:
 
 
 def create(store: Store, ladder_path: str | Path, label: str, control_only: bool, name: str | None,
-           runs_dir: str | Path = "runs") -> tuple[m.Run, str]:
+           runs_dir: str | Path = "runs") -> tuple[RunRecord, str]:
     """Validate the ladder, store its run and file it under its series; returns the run and the series."""
     ladder, text = load_ladder(ladder_path)
     if control_only:

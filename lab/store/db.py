@@ -1,17 +1,26 @@
 """Opening a store: a SQLite file by default (WAL, foreign keys on), PostgreSQL for a store shared by
-several hosts (`postgresql://user@host/db`, through psycopg 3), any SQLAlchemy URL otherwise."""
+several hosts (`postgresql://user@host/db`, through psycopg 3), any SQLAlchemy URL otherwise.
+
+The commands that only read (`lab ls`, `report`, `compare`, `export`, `history`, `serve`) open it
+read-only: nothing is created or upgraded, a SQLite file is opened in SQLite's read-only mode and a
+PostgreSQL session is a read-only transaction, so the database itself refuses any write. A store on
+a read-only path, one a database user may only read, or one another process is writing all work.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import URL, Engine, create_engine, event, inspect, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -26,11 +35,16 @@ class StoreError(RuntimeError):
 
 
 class Store:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, read_only: bool = False) -> None:
         self.url = url
-        self.engine: Engine = create_engine(url)
-        if self.engine.dialect.name == "sqlite":
-            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.read_only = read_only
+        backend = make_url(url).get_backend_name()
+        # A read-only PostgreSQL session: the server refuses any write, whatever the user may do.
+        self.connect_args: dict[str, Any] = ({"options": "-c default_transaction_read_only=on"}
+                                             if read_only and backend == "postgresql" else {})
+        self.engine: Engine = create_engine(url, connect_args=self.connect_args)
+        if backend == "sqlite":
+            event.listen(self.engine, "connect", functools.partial(_sqlite_pragmas, wal=not read_only))
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:
@@ -68,12 +82,14 @@ class Store:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any, wal: bool = True) -> None:
     cursor = dbapi_connection.cursor()
     # First, so that switching to WAL waits for another process's lock instead of failing at once.
     cursor.execute("PRAGMA busy_timeout=30000")
-    # WAL: `lab ls` can read while `lab run` writes, and a killed writer loses no committed step.
-    cursor.execute("PRAGMA journal_mode=WAL")
+    if wal:
+        # WAL: `lab ls` can read while `lab run` writes, and a killed writer loses no committed step.
+        # A reader leaves the mode as the file has it: setting it is a write.
+        cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 
@@ -89,10 +105,12 @@ def resolve_url(target: str) -> str:
     return f"sqlite:///{Path(target).expanduser().resolve()}"
 
 
-def open_store(target: str, create: bool = True) -> Store:
+def open_store(target: str, read_only: bool = False) -> Store:
+    """The store at `target`, created (tables, added columns) where missing; with `read_only`, an
+    existing store opened for reading only (module docstring), or StoreError saying why it cannot be."""
     url = resolve_url(target)
-    if url.startswith("sqlite:///") and not create and not Path(url[len("sqlite:///"):]).exists():
-        raise StoreError(f"no store at {target}; pass --db with the file `lab run` wrote")
+    if read_only:
+        return _open_read_only(target, url)
     store = Store(url)
     try:
         if store.postgresql:
@@ -111,6 +129,69 @@ def open_store(target: str, create: bool = True) -> Store:
         store.close()
         raise StoreError(f"cannot open store {target}: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
     return store
+
+
+def _open_read_only(target: str, url: str) -> Store:
+    path = Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+    if path is not None and not path.exists():
+        raise StoreError(f"no store at {target}; pass --db with the file `lab run` wrote")
+    try:
+        store = _sqlite_read_only(path) if path is not None else Store(url, read_only=True)
+    except Exception as exc:  # a bad URL, a missing driver, no permission to read
+        raise StoreError(f"cannot open store {target}: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
+    try:
+        _check_read_only_schema(store, target)
+    except StoreError:
+        store.close()
+        raise
+    except Exception as exc:  # a foreign file, a database that refuses us
+        store.close()
+        raise StoreError(f"cannot open store {target}: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
+    return store
+
+
+def _sqlite_read_only(path: Path) -> Store:
+    """A SQLite file in SQLite's read-only mode. A WAL store needs its `-shm` index beside it, which
+    a reader creates when it is missing; where it is missing and cannot be created (a read-only
+    directory) no process is writing the store in WAL mode, and it is opened as immutable."""
+    try:
+        return _sqlite_opened(path, immutable=False)
+    except OperationalError as exc:
+        if "unable to open database file" not in str(exc):
+            raise
+    return _sqlite_opened(path, immutable=True)
+
+
+def _sqlite_opened(path: Path, immutable: bool) -> Store:
+    query = {"mode": "ro", "uri": "true", **({"immutable": "1"} if immutable else {})}
+    url = URL.create("sqlite", database=f"file:{quote(str(path))}", query=query)
+    store = Store(url.render_as_string(hide_password=False), read_only=True)
+    try:
+        with store.engine.connect() as connection:
+            connection.execute(text("SELECT count(*) FROM sqlite_master"))
+    except OperationalError:
+        store.close()
+        raise
+    return store
+
+
+def _check_read_only_schema(store: Store, target: str) -> None:
+    """Refuse a store this lab cannot read as it is: another schema version, or tables or columns an
+    earlier lab did not create (a writing command adds them in place; a reader may not)."""
+    existing = inspect(store.engine)
+    tables = set(existing.get_table_names())
+    for table in Base.metadata.sorted_tables:
+        missing = [table.name] if table.name not in tables else \
+            [f"{table.name}.{c.name}" for c in table.columns
+             if c.name not in {col["name"] for col in existing.get_columns(table.name)}]
+        if missing:
+            raise StoreError(f"{target} was written by an earlier lab and lacks {missing[0]}; a command that "
+                             "writes (`lab run`, `lab calibrate`) adds it, a reading one opens the store as it is")
+    with store.session() as session:
+        row = session.get(Meta, "schema_version")
+    version = row.value if row is not None else None
+    if version != SCHEMA_VERSION:
+        raise StoreError(f"{target} has store schema {version}; this lab reads schema {SCHEMA_VERSION}")
 
 
 def _schema_version(store: Store) -> str:

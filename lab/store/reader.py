@@ -1,38 +1,20 @@
-"""Questions the runner and `lab ls` ask the store."""
+"""Questions the lab asks the store. Every answer is a record of `lab.store.rows` or a plain value,
+read in full inside the session: nothing handed out is attached to the database."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload
 
 from lab.store import models as m
 from lab.store.db import Store
+from lab.store.rows import (ArmRecord, BootRecord, CellHealth, CellRecord, NoiseRecord, RunRecord, RunSummary,
+                            SeriesPointRecord, SlotRecord, record)
 
 LIVE = ("starting", "ready")  # a boot in one of these states has a process the lab may still own
 OK = ("done",)
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    id: int
-    name: str
-    ladder: str
-    engine_kind: str
-    created_at: datetime
-    status: str
-    slots: int
-    boots_ok: int
-    boots_failed: int
-
-
-@dataclass(frozen=True)
-class CellHealth:
-    valid: int
-    invalid: int
-    top_reason: str | None  # the commonest note of the invalid cells
-    top_count: int
 
 
 def cell_health(store: Store, run_id: int) -> dict[int, CellHealth]:
@@ -53,7 +35,7 @@ def cell_health(store: Store, run_id: int) -> dict[int, CellHealth]:
     return {boot_id: CellHealth(*entry) for boot_id, entry in counts.items()}
 
 
-def find_run(store: Store, ref: str) -> m.Run:
+def find_run(store: Store, ref: str) -> RunRecord:
     """A run by name, id, or ladder name (its latest run); LookupError says what to do when none."""
     with store.session() as s:
         run = s.scalar(select(m.Run).where(m.Run.name == ref))
@@ -63,7 +45,7 @@ def find_run(store: Store, ref: str) -> m.Run:
             run = s.scalar(select(m.Run).where(m.Run.ladder_name == ref).order_by(m.Run.id.desc()).limit(1))
         if run is None:
             raise LookupError(f"no run {ref!r} in this store; `lab ls` lists the runs")
-        return run
+        return record(RunRecord, run)
 
 
 def list_runs(store: Store) -> list[RunSummary]:
@@ -79,17 +61,27 @@ def list_runs(store: Store) -> list[RunSummary]:
         return out
 
 
-def slots(store: Store, run_id: int) -> list[m.Slot]:
+def slots(store: Store, run_id: int) -> list[SlotRecord]:
+    """The run's slots by index, each with its arm's name and its boots."""
     with store.session() as s:
-        rows = s.scalars(select(m.Slot).where(m.Slot.run_id == run_id).order_by(m.Slot.idx)).all()
-        for row in rows:
-            _ = row.arm, row.boots  # load while the session is open
-        return list(rows)
+        return _slots(s, run_id)
 
 
-def arms(store: Store, run_id: int) -> list[m.Arm]:
+def _slots(s: Session, run_id: int) -> list[SlotRecord]:
+    rows = s.scalars(select(m.Slot).where(m.Slot.run_id == run_id).order_by(m.Slot.idx)
+                     .options(selectinload(m.Slot.arm), selectinload(m.Slot.boots))).all()
+    return [record(SlotRecord, row, arm=row.arm.name, boots=tuple(record(BootRecord, b) for b in row.boots))
+            for row in rows]
+
+
+def arms(store: Store, run_id: int) -> list[ArmRecord]:
     with store.session() as s:
-        return list(s.scalars(select(m.Arm).where(m.Arm.run_id == run_id).order_by(m.Arm.id)).all())
+        return _arms(s, run_id)
+
+
+def _arms(s: Session, run_id: int) -> list[ArmRecord]:
+    return [record(ArmRecord, a) for a in s.scalars(select(m.Arm).where(m.Arm.run_id == run_id)
+                                                    .order_by(m.Arm.id)).all()]
 
 
 def stored_steps(store: Store, slot_id: int) -> set[tuple[str, str]]:
@@ -97,9 +89,10 @@ def stored_steps(store: Store, slot_id: int) -> set[tuple[str, str]]:
         return set(s.execute(select(m.Step.instrument, m.Step.key).where(m.Step.slot_id == slot_id)).tuples())
 
 
-def live_boots(store: Store, run_id: int) -> list[m.Boot]:
+def live_boots(store: Store, run_id: int) -> list[BootRecord]:
     with store.session() as s:
-        return list(s.scalars(select(m.Boot).where(m.Boot.run_id == run_id, m.Boot.status.in_(LIVE))).all())
+        return [record(BootRecord, b) for b in s.scalars(select(m.Boot).where(m.Boot.run_id == run_id,
+                                                                              m.Boot.status.in_(LIVE))).all()]
 
 
 def any_ready_boot(store: Store, run_id: int) -> bool:
@@ -131,15 +124,15 @@ def warm_control_boots(store: Store, run_id: int, window: str, before_idx: int) 
         return list(s.scalars(query).all())
 
 
-def latest_noise(store: Store, ladder_name: str, host: str) -> list[m.NoiseModel]:
+def latest_noise(store: Store, ladder_name: str, host: str) -> list[NoiseRecord]:
     """The newest calibration of this ladder on this host, one row per metric; [] when never calibrated."""
     with store.session() as s:
         newest = s.scalar(select(func.max(m.NoiseModel.run_id)).where(m.NoiseModel.ladder_name == ladder_name,
                                                                        m.NoiseModel.host == host))
         if newest is None:
             return []
-        return list(s.scalars(select(m.NoiseModel).where(m.NoiseModel.run_id == newest)
-                              .order_by(m.NoiseModel.id)).all())
+        return [record(NoiseRecord, row) for row in s.scalars(select(m.NoiseModel).where(m.NoiseModel.run_id == newest)
+                                                              .order_by(m.NoiseModel.id)).all()]
 
 
 def boot_host(store: Store, run_id: int) -> str | None:
@@ -149,50 +142,32 @@ def boot_host(store: Store, run_id: int) -> str | None:
     return fingerprint.get("host") if isinstance(fingerprint, dict) else None
 
 
-def verdicts(store: Store, run_id: int) -> dict[str, m.Verdict]:
-    """The run's stored KEEP verdicts by arm name, in arm order."""
-    with store.session() as s:
-        rows = s.execute(select(m.Arm.name, m.Verdict).join(m.Verdict, m.Verdict.arm_id == m.Arm.id)
-                         .where(m.Verdict.run_id == run_id).order_by(m.Arm.id)).tuples().all()
-        return {name: verdict for name, verdict in rows}
-
-
-def series_points(store: Store, series: str | None = None) -> list[m.SeriesPoint]:
+def series_points(store: Store, series: str | None = None) -> list[SeriesPointRecord]:
     """Sweep runs in the order they were filed, of one series or of all."""
     with store.session() as s:
         query = select(m.SeriesPoint).order_by(m.SeriesPoint.id)
         if series is not None:
             query = query.where(m.SeriesPoint.series == series)
-        return list(s.scalars(query).all())
-
-
-def trials(store: Store, study: str) -> list[m.TuneTrial]:
-    with store.session() as s:
-        return list(s.scalars(select(m.TuneTrial).where(m.TuneTrial.study == study)
-                              .order_by(m.TuneTrial.number)).all())
+        return [record(SeriesPointRecord, row) for row in s.scalars(query).all()]
 
 
 @dataclass(frozen=True)
 class RunRows:
-    """A run with its arms (in order), slots (by index), cells (as stored) and boots (by slot, attempt)."""
+    """A run with its arms (in order), slots (by index, each with its boots) and cells (as stored)."""
 
-    run: m.Run
-    arms: list[m.Arm]
-    slots: list[m.Slot]
-    cells: list[m.Cell]
-    boots: list[m.Boot]
+    run: RunRecord
+    arms: list[ArmRecord]
+    slots: list[SlotRecord]
+    cells: list[CellRecord]
 
 
 def run_rows(store: Store, run_id: int) -> RunRows:
     with store.session() as s:
-        return RunRows(
-            run=s.get_one(m.Run, run_id),
-            arms=list(s.scalars(select(m.Arm).where(m.Arm.run_id == run_id).order_by(m.Arm.id)).all()),
-            slots=list(s.scalars(select(m.Slot).where(m.Slot.run_id == run_id).order_by(m.Slot.idx)).all()),
-            cells=list(s.scalars(select(m.Cell).join(m.Slot, m.Cell.slot_id == m.Slot.id)
-                                 .where(m.Slot.run_id == run_id).order_by(m.Cell.id)).all()),
-            boots=list(s.scalars(select(m.Boot).where(m.Boot.run_id == run_id)
-                                 .order_by(m.Boot.slot_id, m.Boot.attempt)).all()))
+        run = record(RunRecord, s.get_one(m.Run, run_id))
+        cells = s.scalars(select(m.Cell).join(m.Slot, m.Cell.slot_id == m.Slot.id)
+                          .where(m.Slot.run_id == run_id).order_by(m.Cell.id)).all()
+        return RunRows(run=run, arms=_arms(s, run_id), slots=_slots(s, run_id),
+                       cells=[record(CellRecord, c) for c in cells])
 
 
 def latest_run_id(store: Store) -> int | None:

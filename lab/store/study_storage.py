@@ -11,6 +11,10 @@ from lab.store.db import Store
 def study_storage(store: Store) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage on the store's URL; its tables are created once even when several hosts
     open an empty PostgreSQL database at the same moment."""
+    if store.read_only:
+        # A reader's connections refuse writes (lab.store.db); Optuna must not try to create its tables.
+        return optuna.storages.RDBStorage(store.url, skip_table_creation=True,
+                                          engine_kwargs={"connect_args": store.connect_args})
     if store.postgresql:
         with store.lock("optuna schema"):
             return optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True})

@@ -54,7 +54,7 @@ def stored(store: Store, study: optuna.Study, tune: TuneFile) -> Confirmation | 
 
 def read(store: Store, run_id: int, name: str, picked: list[optuna.trial.FrozenTrial], tune: TuneFile) -> Confirmation:
     evidence = verdicts.load(store, run_id)
-    stored = reader.verdicts(store, run_id)
+    judged = verdicts.judge(evidence)
     maximize = [(o.direction or ("maximize" if evidence.higher_is_better(s) else "minimize")) == "maximize"
                 for o, s in zip(tune.objectives, evidence.spec.metrics)]
     found = []
@@ -65,9 +65,9 @@ def read(store: Store, run_id: int, name: str, picked: list[optuna.trial.FrozenT
             values = [median_of_repeats(evidence.select(s, selector).values) for s in evidence.arm_slots(arm)
                       if evidence.select(s, selector).values]
             confirmed.append(statistics.median(values) if values else None)
-        verdict = stored.get(arm)
+        verdict = judged.get(arm)
         found.append(Candidate(arm, t.number, dict(t.params), list(t.values), confirmed,
-                               verdict.decision if verdict else "no verdict",
+                               str(verdict.decision) if verdict else "no verdict",
                                verdict.reasons[0] if verdict and verdict.reasons else ""))
     kept = [c for c in found if c.decision == "keep" and c.confirmed[0] is not None]
     winner = (max(kept, key=lambda c: c.confirmed[0] if maximize[0] else -c.confirmed[0])) if kept else None

@@ -24,9 +24,9 @@ from lab.ladder.ladder import Ladder
 from lab.ladder.validate import parse_ladder
 from lab.runner import fingerprint
 from lab.runner.slot import RunContext, run_slot
-from lab.store import models as m
 from lab.store import reader, writer
 from lab.store.db import Store
+from lab.store.rows import RunRecord
 from lab.tune.spec import Param, TuneFile
 
 log = logging.getLogger("lab.tune")
@@ -34,7 +34,7 @@ log = logging.getLogger("lab.tune")
 
 @dataclass(frozen=True)
 class Measured:
-    run: m.Run
+    run: RunRecord
     boot_id: int | None
     values: list[float] | None  # one per objective; None when the boot failed or a value is missing
     constraints: list[float]  # one per constraint: <= 0 satisfied
@@ -68,7 +68,7 @@ def ladder_text(tune: TuneFile, data: dict[str, Any], control: str, flags: dict[
 
 
 def run_trial(store: Store, tune: TuneFile, data: dict[str, Any], study: str, number: int, params: dict[str, Any],
-              tune_path: str | Path, runs_dir: str | Path) -> tuple[m.Run, Ladder, render.Plan]:
+              tune_path: str | Path, runs_dir: str | Path) -> tuple[RunRecord, Ladder, render.Plan]:
     """Store the trial's one-boot run (not yet booted); a config the engine refuses raises LadderError."""
     flags, env = changes(tune.space, params)
     control = f"t{number:03d}"
@@ -85,7 +85,7 @@ def run_trial(store: Store, tune: TuneFile, data: dict[str, Any], study: str, nu
     return reader.find_run(store, str(run_id)), ladder, plan
 
 
-def boot(store: Store, tune: TuneFile, run: m.Run, ladder: Ladder, plan: render.Plan,
+def boot(store: Store, tune: TuneFile, run: RunRecord, ladder: Ladder, plan: render.Plan,
          status: Any = None) -> Measured:
     """Boot and measure the trial's one slot, then read its objectives and constraints."""
     rc = RunContext(store=store, run_id=run.id, run_name=run.name, logs_dir=Path(run.logs_dir), ladder=ladder,

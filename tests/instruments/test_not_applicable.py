@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from lab.analysis import compare
-from lab.analysis.verdicts import judge_run
+from lab.analysis import verdicts
 from lab.instruments.needle import NeedleInstrument
 from lab.instruments.qeval import QevalInstrument
 from lab.report import tables
@@ -112,7 +112,7 @@ def test_a_verdict_compare_and_report_read_not_applicable_cells_as_neither_failu
             label: Boot(values={"memory.kv_pool_tokens": kv, "memory.host_mem_available_floor_gib": 5.0},
                         cells=quality)
             for label, kv in (("C0ctl/open", 1000), ("A1", 1100), ("C0ctl/close", 1000))}, ladder=LADDER)
-        verdict = judge_run(store, run_id)["A1"]
+        verdict = verdicts.judge(verdicts.load(store, run_id))["A1"]
         assert str(verdict.decision) == "keep", verdict.reasons
         assert not [r for r in verdict.reasons if "qeval" in r or "needle" in r or "invalid" in r]
 

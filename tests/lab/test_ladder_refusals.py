@@ -171,7 +171,7 @@ def test_a_run_an_exception_ends_is_stored_as_failed_with_the_reason(tmp_path: P
         raise ValueError("cannot convert float infinity to integer")
 
     # The fault the old `max_drift_pct: .inf` caused at window close, now refused by the validator.
-    monkeypatch.setattr("lab.runner.run.verdicts.judge_run", window_close_fails)
+    monkeypatch.setattr("lab.runner.run.verdicts.judge", window_close_fails)
     assert lab("run", str(path), "--name", "r1") == 1
     with store.session() as s:
         run = s.scalars(select(m.Run)).one()

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sqlite3
+from contextlib import closing
+
 import pytest
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from lab.instruments.receipt import Receipt, TokenLogprob
 from lab.ladder.render import plan
 from lab.ladder.validate import parse_ladder
 from lab.store import models as m
-from lab.store import writer
+from lab.store import reader, rows, writer
 from lab.store.db import StoreError, open_store, resolve_url
 from lab.store.records import Cell, Step, StepResult
+from lab.store.stored_rows import StoredRows
 
 LADDER = """\
 name: s
@@ -92,7 +97,7 @@ def test_db_takes_a_path_or_a_url_and_refuses_another_schema(tmp_path) -> None:
     url_store.close()
     assert (tmp_path / "u.db").exists()
     with pytest.raises(StoreError, match="no store at"):
-        open_store(str(tmp_path / "missing.db"), create=False)
+        open_store(str(tmp_path / "missing.db"), read_only=True)
     store = open_store(str(tmp_path / "v.db"))
     with store.session() as s, s.begin():
         s.get_one(m.Meta, "schema_version").value = "0"
@@ -125,3 +130,67 @@ def test_processes_creating_one_new_store_at_once_all_open_it(tmp_path) -> None:
                 p.stdin.flush()
         errors = [p.communicate(timeout=120)[1].decode() for p in procs]
         assert [p.returncode for p in procs] == [0] * 6, "\n".join(e for e in errors if e)[-2000:]
+
+
+RECORDS = {rows.RunRecord: m.Run, rows.ArmRecord: m.Arm, rows.SlotRecord: m.Slot, rows.BootRecord: m.Boot,
+           rows.StepRecord: m.Step, rows.CellRecord: m.Cell, rows.RequestRecord: m.Request,
+           rows.QevalItemRecord: m.QevalItem, rows.NoiseRecord: m.NoiseModel, rows.SeriesPointRecord: m.SeriesPoint}
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: r.__name__)
+def test_a_record_holds_every_column_of_its_table(record: type) -> None:
+    """A column added to a table reaches the readers' callers only through its record."""
+    columns = {c.name for c in RECORDS[record].__table__.columns} - {"params_key"}  # the cell's unique key only
+    extra = {"arm", "boots"} if record is rows.SlotRecord else set()
+    assert {f.name for f in dataclasses.fields(record)} == columns | extra
+
+
+def test_readers_hand_out_frozen_records_that_outlive_the_store(store, tmp_path) -> None:
+    run_id, slot_id, boot_id = planned_run(store)
+    writer.update_boot(store, boot_id, status="done", cold=True, capabilities={"answered": True})
+    result = StepResult(cells=[Cell("tok_s", 12.5, "tok/s", params={"len": 512})],
+                        receipts=[Receipt("a", "/v1/completions", {"prompt": "x"}, 0, status=200, text="hi")])
+    writer.write_step(store, slot_id=slot_id, boot_id=boot_id, instrument="prefill", step=Step("k", {"len": 512}),
+                      result=result, error=None, started_at=writer.now())
+    run = reader.find_run(store, "r")
+    slots = reader.slots(store, run_id)
+    steps = StoredRows(store).boot_slot_steps(boot_id, "prefill")
+    [cell] = StoredRows(store).slot_cells(slot_id, "prefill", "tok_s")
+    store.close()
+    (tmp_path / "lab.db").unlink()  # nothing below may reach the database
+    assert (run.name, run.status, run.ladder_text) == ("r", "running", LADDER)
+    assert [(s.idx, s.arm, s.role, [b.status for b in s.boots]) for s in slots] == \
+        [(0, "W1ctl", "control", []), (1, "A1", "arm", ["done"]), (2, "W1ctl", "control", [])]
+    assert slots[1].boots[0].cold and slots[1].boots[0].capabilities == {"answered": True}
+    assert [s.key for s in steps.steps] == ["k"] and [r.text for r in steps.requests] == ["hi"]
+    assert (cell.value, cell.params, cell.request_ids) == (12.5, {"len": 512}, [steps.requests[0].id])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.status = "done"  # type: ignore[misc]
+
+
+def test_a_store_opened_read_only_reads_and_refuses_every_write(store, tmp_path) -> None:
+    run_id, _, _ = planned_run(store)
+    store.close()
+    before = (tmp_path / "lab.db").read_bytes()
+    reading = open_store(str(tmp_path / "lab.db"), read_only=True)
+    try:
+        assert [r.name for r in reader.list_runs(reading)] == ["r"]
+        with pytest.raises(OperationalError, match="readonly database"):
+            writer.set_run_status(reading, run_id, "done")
+    finally:
+        reading.close()
+    assert (tmp_path / "lab.db").read_bytes() == before
+
+
+def test_a_reader_never_upgrades_an_older_store_and_says_what_it_lacks(tmp_path) -> None:
+    db = tmp_path / "old.db"
+    open_store(str(db)).close()
+    with closing(sqlite3.connect(db)) as con:
+        con.execute("ALTER TABLE run DROP COLUMN reason")  # the table as an earlier lab created it
+    with pytest.raises(StoreError, match=r"old.db was written by an earlier lab and lacks run.reason; a command "
+                                         r"that writes \(`lab run`, `lab calibrate`\) adds it"):
+        open_store(str(db), read_only=True)
+    with closing(sqlite3.connect(db)) as con:
+        assert "reason" not in [row[1] for row in con.execute("PRAGMA table_info(run)")]
+    open_store(str(db)).close()  # a writer adds it in place
+    open_store(str(db), read_only=True).close()

@@ -21,7 +21,7 @@ def test_each_label_is_a_run_under_one_series_the_control_only_ones_of_the_contr
         points = reader.series_points(store)
         assert [p.label for p in points] == list(KV_LABELS)
         assert len({p.series for p in points}) == 1 and points[0].series.startswith("kv@")
-        slots = [[(s.arm.name, s.position, s.status) for s in reader.slots(store, p.run_id)] for p in points]
+        slots = [[(s.arm, s.position, s.status) for s in reader.slots(store, p.run_id)] for p in points]
         assert slots[0] == [("C0ctl", "open", "done"), ("A1kv16m", "arm", "done"), ("C0ctl", "close", "done")]
         assert slots[1] == slots[2] == [("C0ctl", "open", "done"), ("C0ctl", "close", "done")]
         described = [yaml.safe_load(reader.find_run(store, str(p.run_id)).ladder_text).get("description", "")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from lab.cli import main as lab_main
 from lab.runner.boot import free_port
@@ -144,6 +144,40 @@ def test_the_study_and_its_runs_are_read_back_from_postgresql(postgres: str, sha
     assert lab_main(["report", "--study", "pgtune", "--db", postgres, "--out", str(tmp_path)]) == 0
     md = (tmp_path / "pgtune" / "index.md").read_text()
     assert md.count("| complete |") == 3 and "pgtune-confirm" in md
+
+
+@pytest.mark.slow
+def test_a_database_user_who_may_only_read_lists_reports_and_compares(postgres: str, shared_study, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reading commands write nothing, so SELECT is all the right they need."""
+    monkeypatch.setenv("COLUMNS", "250")
+    store = open_store(postgres)
+    try:
+        with store.engine.begin() as connection:
+            connection.execute(text("CREATE ROLE reader LOGIN"))
+            connection.execute(text("GRANT SELECT ON ALL TABLES IN SCHEMA public TO reader"))
+        with store.session() as s:
+            confirm = s.scalar(select(m.Run.id).where(m.Run.name == "pgtune-confirm"))
+            [arm] = s.scalars(select(m.Arm.name).where(m.Arm.run_id == confirm, m.Arm.role == "arm")).all()
+            stored = s.scalar(select(m.Verdict.decision).where(m.Verdict.run_id == confirm))
+            rows = s.scalar(select(func.count()).select_from(m.Verdict))
+    finally:
+        store.close()
+    reader = postgres.replace("postgres@", "reader@", 1)
+    assert lab_main(["ls", "pgtune-confirm", "--db", reader]) == 0
+    assert f"{arm}" in capsys.readouterr().out
+    assert lab_main(["compare", "pgtune-confirm:C0base", f"pgtune-confirm:{arm}", "--db", reader]) == 0
+    assert f"KEEP {arm}: {stored} against C0base" in capsys.readouterr().out
+    assert lab_main(["report", "pgtune-confirm", "--db", reader, "--out", str(tmp_path)]) == 0
+    assert lab_main(["report", "--study", "pgtune", "--db", reader, "--out", str(tmp_path)]) == 0
+    assert f"| {arm} |" in (tmp_path / "pgtune-confirm" / "index.md").read_text()
+    store = open_store(postgres)
+    try:
+        with store.session() as s:
+            assert s.scalar(select(func.count()).select_from(m.Verdict)) == rows
+    finally:
+        store.close()
 
 
 def test_an_unreachable_postgresql_store_is_refused_in_one_line(capsys: pytest.CaptureFixture[str],

@@ -121,7 +121,7 @@ def test_lab_compare_prints_the_table_and_the_stored_verdict(quickstart: Quickst
     done = lab_cli(["compare", "C0ctl", "C1mnbt256", "--db", str(quickstart.db)], quickstart.directory)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    store = open_store(str(quickstart.db), create=False)
+    store = open_store(str(quickstart.db), read_only=True)
     with store.session() as s:
         decision, reasons = s.execute(select(m.Verdict.decision, m.Verdict.reasons).join(m.Arm)
                                       .where(m.Arm.name == "C1mnbt256")).one()

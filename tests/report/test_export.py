@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lab.analysis.verdicts import judge_run
 from lab.report.export import export_run
+from lab.runner.run import store_verdicts
 from lab.store.records import Cell
 from tests.report.conftest import Boot, build_run, lab_cli
 
@@ -23,7 +23,7 @@ def two_runs(store) -> None:
                                          requests=[])]},
                   items={"t1": True, "t2": False})
     build_run(store, {"C0ctl/open": params, "A1": params, "C0ctl/close": params}, name="one")
-    judge_run(store, 1)
+    store_verdicts(store, 1, "W1")  # as `lab run` does when the window closes
     build_run(store, {"C0ctl/open": params}, name="other")
 
 

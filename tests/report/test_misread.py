@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from lab.analysis.compare import compare, print_comparison
-from lab.analysis.verdicts import judge_run
+from lab.analysis import verdicts
 from lab.report import figures
 from lab.report.build import write_report
 from lab.report.data import load
@@ -141,7 +141,7 @@ def test_the_report_has_a_calibration_section_when_a_noise_model_exists(store, t
         {"metric": POOL, "boots": 5, "sd_log": 0.0123, "df": 3, "drift_pct": 2.5, "mde_pct": 4.56, "repeats": 2,
          "power": 0.8}])
     build_run(store, boots, name="after")
-    judged = judge_run(store, 3)
+    judged = verdicts.judge(verdicts.load(store, 3))
     assert any("calibration run 2 (5 control boots)" in r for r in judged["A1"].reasons)
     markdown = (write_report(store, "after", tmp_path / "after") / "index.md").read_text()
     assert f"| {POOL} | cal | 5 | 1.23 | 2.50 | ±4.56 at 2 repeats, 80 % power |" in markdown

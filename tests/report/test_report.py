@@ -13,7 +13,6 @@ import pytest
 from matplotlib.figure import Figure
 from sqlalchemy import select
 
-from lab.analysis.verdicts import judge_run
 from lab.report import figures
 from lab.report.build import write_report
 from lab.report.data import load
@@ -70,7 +69,7 @@ def test_the_html_report_is_self_contained(report: Path) -> None:
 
 @pytest.mark.slow
 def test_the_report_states_verdicts_ladder_and_environment(report: Path, quickstart: Quickstart) -> None:
-    store = open_store(str(quickstart.db), create=False)
+    store = open_store(str(quickstart.db), read_only=True)
     with store.session() as s:
         ladder_text = s.scalar(select(m.Run.ladder_text).where(m.Run.name == quickstart.run))
     store.close()
@@ -124,7 +123,6 @@ def cells_of(scale: float) -> dict[str, list[Cell]]:
 def constructed(store):
     build_run(store, {"C0ctl/open": Boot(cells=cells_of(1.0)), "A1": Boot(cells=cells_of(1.2)),
                       "A2": Boot(cells=cells_of(0.9), cold=True), "C0ctl/close": Boot(cells=cells_of(1.01))})
-    judge_run(store, 1)
     data = load(store, 1)
     return data, figures.slot_styles(data.slots)
 
