@@ -236,3 +236,26 @@ def test_the_reference_attention_path_and_the_kernels_shared_constants_load_with
             "assert 'triton' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _tests_engine_kind(path: Path) -> list[str]:
+    """`isinstance(x, BundledEngine)` / `CommandEngine`, or `.kind == "bundled"`: places that branch on
+    which engine a ladder boots instead of asking its kind object."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} if len(node.args) > 1 else set()
+            found += sorted(names & {"BundledEngine", "CommandEngine"})
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "kind":
+            found += [c.value for c in node.comparators if isinstance(c, ast.Constant) and c.value in ("bundled", "command")]
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in _lab_modules() if not p.is_relative_to(LAB / "engine")
+                                  and p != LAB / "ladder" / "engines.py"], ids=lambda p: str(p.relative_to(LAB)))
+def test_the_lab_asks_the_engine_kind_instead_of_testing_which_engine_it_is(path: Path) -> None:
+    """Launching, validating flags, computing a config, checking what booted and running offline
+    differ between the bundled engine and a command engine; `lab/ladder/engines.py` holds each
+    difference once, as a method of the kind."""
+    found = _tests_engine_kind(path)
+    assert not found, f"{path.relative_to(LAB)} tests the engine's kind ({found}): ask lab.ladder.engines.kind_of"

@@ -8,13 +8,11 @@ has a control on each side to interpolate the drift between. An optional warm-up
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lab.engine import settings as engine_settings
-from lab.ladder.ladder import Arm, BundledEngine, CommandEngine, Ladder
+from lab.ladder.engines import env_value, kind_of
+from lab.ladder.ladder import Arm, Ladder
 
 Role = Literal["warmup", "control", "arm"]
 Position = Literal["warmup", "open", "arm", "between", "close"]
@@ -51,13 +49,6 @@ class Plan:
         return next(a for a in self.arms if a.name == name)
 
 
-def env_value(value: Any) -> str:
-    """Environment values are strings; booleans become 1/0, the convention engines read."""
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
-
-
 def merged(ladder: Ladder, arm: Arm | None) -> tuple[dict[str, Any], dict[str, str]]:
     flags = dict(ladder.engine.flags)
     env = {k: env_value(v) for k, v in ladder.engine.env.items()}
@@ -67,60 +58,9 @@ def merged(ladder: Ladder, arm: Arm | None) -> tuple[dict[str, Any], dict[str, s
     return flags, env
 
 
-def bundled_config(engine: BundledEngine, flags: dict[str, Any], env: dict[str, str]) -> engine_settings.EngineConfig:
-    """The config the bundled engine will compute from this argv and environment (raises ConfigError)."""
-    return engine_settings.from_sources({**flags, "model": engine.model}, env)
-
-
-def command_recipe(engine: CommandEngine, flags: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    return {"command": list(engine.command), "model": engine.model, "served_model_name": engine.served_model_name,
-            "flags": render_command_flags(engine, flags), "env": env}
-
-
-def recipe_hash(recipe: dict[str, Any]) -> str:
-    blob = json.dumps(recipe, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def render_command_flags(engine: CommandEngine, flags: dict[str, Any]) -> list[str]:
-    parts = engine.flag_style.split()
-    prefix = parts[0].split("{name}")[0] if parts else "--"
-    argv: list[str] = []
-    for name, value in flags.items():
-        if isinstance(value, bool) and engine.bool_style != "value":
-            if value:
-                argv.append(prefix + name)
-            elif engine.bool_style == "negatable":
-                argv.append(prefix + "no-" + name)
-            continue
-        for part in parts:
-            if "{value}" not in part:
-                argv.append(part.replace("{name}", name))
-            elif isinstance(value, list) and part == "{value}":
-                argv += [_scalar(v) for v in value]  # a separate value argument: nargs-style list
-            else:
-                text = ",".join(_scalar(v) for v in value) if isinstance(value, list) else _scalar(value)
-                argv.append(part.replace("{name}", name).replace("{value}", text))
-    return argv
-
-
-def _scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return json.dumps(value, separators=(",", ":"))
-    return str(value)
-
-
 def arm_spec(ladder: Ladder, window: str, arm: Arm | None, control_name: str) -> ArmSpec:
     flags, env = merged(ladder, arm)
-    engine = ladder.engine
-    if isinstance(engine, BundledEngine):
-        cfg = bundled_config(engine, flags, env)
-        config, digest = cfg.to_dict(), cfg.hash
-    else:
-        config = command_recipe(engine, flags, env)
-        digest = recipe_hash(config)
+    config, digest = kind_of(ladder.engine).config(flags, env)
     change = {"flags": dict(arm.flags), "env": {k: env_value(v) for k, v in arm.env.items()}} if arm else {}
     return ArmSpec(name=arm.name if arm else control_name, role="arm" if arm else "control", window=window,
                    change=change, multi=bool(arm and arm.multi), flags=flags, env=env, config=config,

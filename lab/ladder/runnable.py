@@ -17,12 +17,11 @@ from typing import Any
 
 import psutil
 
-from lab.engine import settings as engine_settings
-from lab.instruments import REGISTRY, local_tokenizer
-from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
+from lab.instruments import REGISTRY
 from lab.ladder import render
 from lab.ladder.errors import Problem
-from lab.ladder.ladder import BundledEngine, CommandEngine, Ladder
+from lab.ladder.engines import kind_of
+from lab.ladder.ladder import Ladder
 from lab.ladder.yaml_lines import Located, dotted
 
 GIB = 1024**3
@@ -44,24 +43,9 @@ def problems(ladder: Ladder, located: Located, host: Host | None) -> list[Proble
     """Everything that stops this ladder from running as written; host checks only with a host."""
     found = _empty_windows(ladder, located) + _where(ladder, located) + _contexts(ladder, located)
     if host is not None:
-        found += _host_memory(ladder, located, host) + _engine_files(ladder, located)
+        found += _host_memory(ladder, located, host) + kind_of(ladder.engine).file_problems(located)
     return found
 
-
-def _engine_files(ladder: Ladder, located: Located) -> list[Problem]:
-    """A command engine's `tokenizer` must be readable here: every probe would find it unusable.
-    (Its `executable` is not checked: the shipped ladders name engines this host may lack, and a
-    boot that cannot start costs nothing and says why.)"""
-    engine = ladder.engine
-    if not isinstance(engine, CommandEngine):
-        return []
-    found: list[Problem] = []
-    if engine.tokenizer is not None:
-        try:
-            local_tokenizer.load(engine.tokenizer)
-        except local_tokenizer.TokenizerLoadError as exc:
-            found.append(Problem(located.line(("engine", "tokenizer")), f"engine.{exc}"))
-    return found
 
 
 def _empty_windows(ladder: Ladder, located: Located) -> list[Problem]:
@@ -132,16 +116,15 @@ def _requests(ladder: Ladder) -> list[tuple[tuple[Any, ...], str, int]]:
 
 
 def _contexts(ladder: Ladder, located: Located) -> list[Problem]:
-    """Requests longer than the context of a bundled boot: every such cell would be spent invalid."""
-    engine = ladder.engine
-    if not isinstance(engine, BundledEngine):
-        return []  # a command engine's context is not known before it boots
+    """Requests longer than the context of a boot whose context is known before it boots (the
+    bundled engine's): every such cell would be spent invalid."""
+    kind = kind_of(ladder.engine)
     boots = [(None, "the base engine")] + [(arm, f"arm {arm.name}") for window in ladder.windows
                                            for arm in window.arms]
     found: list[Problem] = []
     for path, field, tokens in _requests(ladder):
         for arm, who in boots:
-            context = _context(ladder, arm)
+            context = kind.context(*render.merged(ladder, arm))
             if context is not None and tokens > context:
                 found.append(Problem(located.line(path), f"{field}: a request of {tokens:,} tokens does not fit "
                                                          f"the context of {context:,} that {who} boots with"))
@@ -149,21 +132,6 @@ def _contexts(ladder: Ladder, located: Located) -> list[Problem]:
     return found
 
 
-def _context(ladder: Ladder, arm: Any) -> int | None:
-    """The bundled engine's context for this arm (its max-model-len, or its model's), when known
-    without loading the model; None for a model file or directory."""
-    engine = ladder.engine
-    assert isinstance(engine, BundledEngine)
-    flags, env = render.merged(ladder, arm)
-    try:
-        config = render.bundled_config(engine, flags, env)
-    except engine_settings.ConfigError:
-        return None  # refused by validate already, at the knob's line
-    if config.max_model_len:
-        return config.max_model_len
-    preset = config.model.removeprefix(RANDOM_WEIGHTS_SOURCE)
-    model = engine_settings.PRESETS.get(preset)
-    return model.max_position_embeddings if model is not None else None
 
 
 def _host_memory(ladder: Ladder, located: Located, host: Host) -> list[Problem]:

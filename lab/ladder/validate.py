@@ -19,11 +19,11 @@ from pydantic import ValidationError
 
 from lab.engine import settings as engine_settings
 from lab.instruments import REGISTRY
-from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 from lab.ladder import render
 from lab.ladder import runnable
 from lab.ladder.errors import LadderError, Problem
-from lab.ladder.ladder import BundledEngine, CommandEngine, Ladder
+from lab.ladder.engines import env_value, kind_of
+from lab.ladder.ladder import Ladder
 from lab.ladder.yaml_lines import MAX_BYTES, Located, dotted, load
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -132,34 +132,27 @@ def _data_path(data: Any, loc: Sequence[Any]) -> tuple[Any, ...]:
 
 def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     problems = _names(ladder, located)
-    engine = ladder.engine
-    base_problems = _env(("engine", "env"), engine.env, located)
-    if isinstance(engine, BundledEngine):
-        base_problems += _bundled_flags(("engine",), engine.flags, engine.env, located)
-        if "model" in {engine_settings.knob_from_flag(k) for k in engine.flags}:
-            base_problems.append(Problem(located.line(("engine", "flags", "model")), "set the model with engine.model"))
-    else:
-        base_problems += _command(engine, located)
+    kind = kind_of(ladder.engine)
+    base_problems = _env(("engine", "env"), ladder.engine.env, located) + kind.recipe_problems(located)
     problems += base_problems
     # Every arm contains the base, so a broken base would be reported again for each arm.
     base = None if base_problems else _arm_config(ladder, None, ("engine",), located, problems)
+    base_env = kind.process_env(render.merged(ladder, None)[1])
     for w, window in enumerate(ladder.windows):
         for a, arm in enumerate(window.arms):
             where = ("windows", w, "arms", a)
             problems += _one_change(arm, where, located)
-            arm_problems = _env(where + ("env",), arm.env, located)
-            if isinstance(engine, BundledEngine):
-                arm_problems += _bundled_flags(where, arm.flags, arm.env, located)
+            arm_problems = _env(where + ("env",), arm.env, located) + kind.flag_problems(where, arm.flags, arm.env,
+                                                                                          located)
             problems += arm_problems
             if base is None or arm_problems:
                 continue
             cfg = _arm_config(ladder, arm, where, located, problems)
             # Variables outside the engine's knobs (PYTORCH_CUDA_ALLOC_CONF) change the process, not its
             # config; a LAB_ENGINE_* variable is in the config already, so it counts only there.
-            same_env = _process_env(ladder, arm) == _process_env(ladder, None)
+            same_env = kind.process_env(render.merged(ladder, arm)[1]) == base_env
             if cfg == base and same_env and (arm.flags or arm.env):
-                bundled_env = arm.env and isinstance(engine, BundledEngine)
-                hint = " (flags override LAB_ENGINE_* variables)" if bundled_env else ""
+                hint = " (flags override LAB_ENGINE_* variables)" if arm.env and kind.is_the_labs else ""
                 problems.append(Problem(located.line(where), f"arm {arm.name} boots the same config as its control; "
                                                              f"it changes nothing{hint}"))
     problems += _keep(ladder, located)
@@ -167,11 +160,6 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     return problems
 
 
-def _process_env(ladder: Ladder, arm: Any) -> dict[str, str]:
-    env = render.merged(ladder, arm)[1]
-    if isinstance(ladder.engine, BundledEngine):
-        return {k: v for k, v in env.items() if not k.startswith(engine_settings.ENV_PREFIX)}
-    return env
 
 
 def _names(ladder: Ladder, located: Located) -> list[Problem]:
@@ -211,62 +199,27 @@ def _env(where: tuple[Any, ...], env: dict[str, Any], located: Located) -> list[
         line = located.line(where + (name,))
         if not ENV_NAME.match(name):
             problems.append(Problem(line, f"env {name!r} is not a valid variable name"))
-        text = render.env_value(value)
+        text = env_value(value)
         if any(c in text for c in "\n\r\0"):
             problems.append(Problem(line, f"env {name}: the value holds a line break or NUL and would not reach "
                                           "the engine as written"))
     return problems
 
 
-def _bundled_flags(where: tuple[Any, ...], flags: dict[str, Any], env: dict[str, Any],
-                   located: Located) -> list[Problem]:
-    problems = []
-    for name, value in flags.items():
-        line = located.line(where + ("flags", name))
-        knob = engine_settings.knob_from_flag(name)
-        if knob is None:
-            problems.append(Problem(line, f"unknown flag {name!r} for the bundled engine "
-                                          "(`lab engine serve --help` lists them)"))
-            continue
-        problems += _coerce(knob, value, line)
-    for name, value in env.items():
-        if not name.startswith(engine_settings.ENV_PREFIX):
-            continue
-        line = located.line(where + ("env", name))
-        knob = engine_settings.knob_from_env(name)
-        if knob is None:
-            problems.append(Problem(line, f"unknown engine variable {name!r}: no knob "
-                                          f"{name[len(engine_settings.ENV_PREFIX):].lower()!r} in the bundled engine"))
-            continue
-        problems += _coerce(knob, render.env_value(value), line, env_var=name)
-    return problems
-
-
-def _coerce(knob: str, value: Any, line: int, env_var: str | None = None) -> list[Problem]:
-    try:
-        engine_settings.coerce(knob, value)
-    except engine_settings.ConfigError as exc:
-        reason = str(exc)
-        if env_var:  # the engine's message names the flag; the ladder wrote the variable
-            reason = f"{env_var}: {reason.split(': ', 1)[-1]}"
-        return [Problem(line, reason)]
-    return []
 
 
 def _arm_config(ladder: Ladder, arm: Any, where: tuple[Any, ...], located: Located,
                 problems: list[Problem]) -> dict[str, Any] | None:
     """The arm's full config, or None with the reason appended to problems (at the key it names)."""
     flags, env = render.merged(ladder, arm)
-    engine = ladder.engine
-    if isinstance(engine, CommandEngine):
-        return render.command_recipe(engine, flags, env)
     try:
-        return render.bundled_config(engine, flags, env).to_dict()
+        return kind_of(ladder.engine).config(flags, env)[0]
     except engine_settings.ConfigError as exc:
-        sources = ([(where, arm)] if arm else []) + [(("engine",), engine)]
+        sources = ([(where, arm)] if arm else []) + [(("engine",), ladder.engine)]
         line = _line_of_knob(str(exc), sources, located) or located.line(where)
         problems.append(Problem(line, f"{arm.name if arm else 'the base engine'}: {exc}"))
         return None
+
 
 
 def _line_of_knob(message: str, sources: list[tuple[tuple[Any, ...], Any]], located: Located) -> int | None:
@@ -282,17 +235,6 @@ def _line_of_knob(message: str, sources: list[tuple[tuple[Any, ...], Any]], loca
                 return located.line(path + ("env", key))
     return None
 
-
-def _command(engine: CommandEngine, located: Located) -> list[Problem]:
-    problems = []
-    if not any("{port}" in part for part in engine.command):
-        problems.append(Problem(located.line(("engine", "command")),
-                                "command has no {port} placeholder; the lab gives each boot a free port"))
-    if "{port}" not in engine.base_url:
-        problems.append(Problem(located.line(("engine", "base_url")), "base_url has no {port} placeholder"))
-    if "{name}" not in engine.flag_style or "{value}" not in engine.flag_style:
-        problems.append(Problem(located.line(("engine", "flag_style")), "flag_style needs {name} and {value}"))
-    return problems
 
 
 def _warmup(ladder: Ladder, located: Located) -> list[Problem]:
@@ -346,27 +288,11 @@ def _needs_real_weights(instrument: str) -> bool:
 def _random_weights(ladder: Ladder) -> str | None:
     """What makes a boot of this ladder load random weights ("dummy:llama3-8b", "arm A1: --load-format
     dummy"), or None when every boot loads real ones."""
-    engine = ladder.engine
+    kind = kind_of(ladder.engine)
     for arm in [None] + [arm for window in ladder.windows for arm in window.arms]:
-        flags, _ = render.merged(ladder, arm)
-        if isinstance(engine, BundledEngine):
-            # The engine takes the last --model it is given, and an arm's model flag follows engine.model.
-            models = [engine.model] + [str(v) for k, v in flags.items() if engine_settings.knob_from_flag(k) == "model"]
-            found = models[-1] if models[-1].startswith(RANDOM_WEIGHTS_SOURCE) else None
-        else:
-            argv = [*engine.command, *render.render_command_flags(engine, flags)]
-            found = "--load-format dummy" if _loads_dummy_weights(argv) else None
+        found = kind.random_weights(render.merged(ladder, arm)[0])
         if found:
             return found if arm is None else f"arm {arm.name}: {found}"
     return None
 
 
-def _loads_dummy_weights(argv: list[str]) -> bool:
-    """vLLM's and SGLang's `--load-format dummy` or `--load-format=dummy` (vLLM also reads `--load_format`)."""
-    for i, part in enumerate(argv):
-        name, equals, value = part.partition("=")
-        if name.replace("_", "-") != "--load-format":
-            continue
-        if (value if equals else argv[i + 1] if i + 1 < len(argv) else "") == "dummy":
-            return True
-    return False

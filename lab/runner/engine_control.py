@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from lab.ladder.launch import Launch
+from lab.ladder.engines import Launch
 from lab.runner.boot import EngineProcess
 from lab.store import writer
 from lab.store.db import Store

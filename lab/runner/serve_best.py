@@ -16,8 +16,8 @@ import shlex
 from dataclasses import dataclass
 
 from lab.analysis import verdicts as keep_verdicts
-from lab.ladder import launch as arm_launch
 from lab.ladder import render
+from lab.ladder.engines import Launch, kind_of
 from lab.ladder.validate import parse_ladder
 from lab.runner import boot as engine_boot
 from lab.store import reader
@@ -38,7 +38,7 @@ class Chosen:
     decision: str  # keep | reject | inconclusive | control (a control has no verdict)
     reason: str
     config_hash: str
-    launch: arm_launch.Launch
+    launch: Launch
 
     def shell_line(self) -> str:
         """The environment the lab sets and the argv, as one line a shell runs as is."""
@@ -74,7 +74,7 @@ def choose(store: Store, run_ref: str, arm: str | None, host: str, port: int) ->
     reason = (verdict.reasons[0] if verdict and verdict.reasons else
               "the unchanged base" if stored[arm].role == "control" else "not judged: the ladder names no key metric")
     return Chosen(run.name, arm, stored[arm].window, decision, reason, spec.config_hash,
-                  arm_launch.launch(ladder, spec, port, host))
+                  kind_of(ladder.engine).launch(spec, port, host))
 
 
 def exec_engine(chosen: Chosen) -> None:

@@ -18,8 +18,8 @@ from typing import Any, Callable
 from lab.instruments import capabilities
 from lab.instruments.base import BootContext, Instrument
 from lab.instruments.receipt import Receipt
-from lab.ladder import launch as arm_launch
-from lab.ladder.ladder import BundledEngine, Ladder
+from lab.ladder.engines import Launch, kind_of
+from lab.ladder.ladder import Ladder
 from lab.ladder.render import Plan
 from lab.runner import boot as engine_boot
 from lab.runner.engine_control import ProcessControl
@@ -70,7 +70,7 @@ def run_slot(rc: RunContext, slot: SlotRecord) -> str:
                                f"({avail / 2**30:.1f} GiB, {waited:.0f} s)"))
     arm = rc.plan.arm(slot.arm)
     port = engine_boot.free_port()
-    spec = arm_launch.launch(rc.ladder, arm, port)
+    spec = kind_of(rc.ladder.engine).launch(arm, port)
     env, removed = engine_boot.child_env(spec.env)
     boot_id, attempt = writer.start_boot(
         rc.store, run_id=rc.run_id, slot_id=slot.id, port=port, argv=spec.argv, env=spec.env, env_removed=removed,
@@ -105,7 +105,7 @@ def run_slot(rc: RunContext, slot: SlotRecord) -> str:
         rc.status(f"{label}: probing what the engine can do")
         caps = _probe(rc, spec, boot_id, slot)
         fields: dict[str, Any] = {"capabilities": caps}
-        if not isinstance(engine, BundledEngine):  # the bundled engine is the lab's own version
+        if not kind_of(engine).is_the_labs:  # the bundled engine's version is the lab's own
             fields["fingerprint"] = {**rc.fingerprint, "engine": engine_version(spec.argv, spec.base_url)}
         writer.update_boot(rc.store, boot_id, **fields)
         if not caps.get("answered"):
@@ -145,27 +145,14 @@ def run_slot(rc: RunContext, slot: SlotRecord) -> str:
 
 
 def _check(rc: RunContext, proc: engine_boot.EngineProcess,
-           spec: arm_launch.Launch) -> tuple[str | None, dict[str, Any] | None, bool]:
+           spec: Launch) -> tuple[str | None, dict[str, Any] | None, bool]:
     """(refusal reason or None, engine stats, cold) for a boot that just answered its first completion."""
-    warmed_before = reader.any_ready_boot(rc.store, rc.run_id)
-    if isinstance(rc.ladder.engine, BundledEngine):
-        status, stats = proc.get_json(f"{spec.base_url}/v1/stats")
-        if status != 200 or not isinstance(stats, dict):
-            return f"cannot check what booted: /v1/stats answered {status or 'nothing'}", None, not warmed_before
-        booted = stats.get("config_hash")
-        if booted != spec.expected_config_hash:
-            refusal = f"booted config hash {booted} != expected {spec.expected_config_hash}"
-            return refusal, stats, bool(stats.get("cold"))
-        cold = stats["cold"] if isinstance(stats.get("cold"), bool) else not warmed_before
-        return None, stats, cold
-    # No hash to compare for other engines: the stored argv and env are the receipt. Nothing says
-    # what they built, so their JIT caches are taken as cold on the first boot of a run, which reads
-    # several percent slow.
-    status, models = proc.get_json(f"{spec.api_base}/models", spec.api_key)
-    return None, {"v1_models": models} if status == 200 else None, not warmed_before
+    booted = kind_of(rc.ladder.engine).check_booted(lambda url: proc.get_json(url, spec.api_key), spec,
+                                                    reader.any_ready_boot(rc.store, rc.run_id))
+    return booted.refusal, booted.stats, booted.cold
 
 
-def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: SlotRecord) -> dict[str, Any]:
+def _probe(rc: RunContext, spec: Launch, boot_id: int, slot: SlotRecord) -> dict[str, Any]:
     """The capability probe's findings for this boot, with the ladder's largest prompt."""
     largest = MIN_PROBE_PROMPT
     for name, params in rc.ladder.instruments.sections():
@@ -191,13 +178,13 @@ def _probe(rc: RunContext, spec: arm_launch.Launch, boot_id: int, slot: SlotReco
     return caps
 
 
-def _recheck_cold(rc: RunContext, proc: engine_boot.EngineProcess, spec: arm_launch.Launch, boot_id: int,
+def _recheck_cold(rc: RunContext, proc: engine_boot.EngineProcess, spec: Launch, boot_id: int,
                   at_ready: dict[str, Any] | None, label: str, timeout_s: float = 30.0) -> None:
     """Read a bundled engine's /v1/stats once more before it stops: Triton compiles a kernel at the
     first use of a new specialization, so a boot may build a cache while it is measured, and its
     figures are then cold. Stores what was built by now in the engine stats
     (`caches_built_before_stop`) and, when anything was built after ready, the cold flag and why."""
-    if not isinstance(rc.ladder.engine, BundledEngine) or at_ready is None:
+    if not kind_of(rc.ladder.engine).reports_caches or at_ready is None:
         return
     status, now = proc.get_json(f"{spec.base_url}/v1/stats", timeout_s=timeout_s)
     built = now.get("caches_built") if status == 200 and isinstance(now, dict) else None
@@ -246,7 +233,7 @@ def _describe(built: list[dict[str, Any]]) -> str:
     return ", ".join(words)
 
 
-def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec: arm_launch.Launch,
+def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec: Launch,
              proc: engine_boot.EngineProcess, sampler: MemSampler, label: str,
              caps: dict[str, Any]) -> str | None:
     """Run every instrument step not yet stored for this slot; the reason if the engine died. An
@@ -257,7 +244,7 @@ def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec:
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/{attempt}/{boot_id}".encode()).hexdigest()[:12]
     engine = rc.ladder.engine
     control = ProcessControl(rc.store, boot_id, proc, spec, engine.ready_timeout_s, engine.stop_grace_s,
-                             arm_launch.offline_argv(rc.ladder, rc.plan.arm(slot.arm)),
+                             kind_of(engine).offline_argv(rc.plan.arm(slot.arm)),
                              status=lambda text: rc.status(f"{label}: {text}"))
     for name, params in rc.ladder.instruments.sections():
         instrument = rc.instruments[name]

@@ -13,8 +13,8 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError, model_validator
 
-from lab.engine import settings as engine_settings
 from lab.instruments import REGISTRY
+from lab.ladder.engines import kind_of
 from lab.ladder.errors import LadderError, Problem
 from lab.ladder.ladder import Engine, Gate, Hygiene, Instruments, MetricRef, Name, Scalar, Strict
 from lab.ladder.yaml_lines import MAX_BYTES, Located, dotted, load
@@ -139,19 +139,16 @@ def _problem(error: Any, located: Located) -> Problem:
 def _rules(tune: TuneFile, located: Located) -> list[Problem]:
     """Knobs the bundled engine has, metrics some listed instrument produces, names used once."""
     problems = []
-    bundled = tune.engine.kind == "bundled"
+    kind = kind_of(tune.engine)
     seen: set[str] = set()
     for i, param in enumerate(tune.space):
         if param.name in seen:
             problems.append(Problem(located.line(("space", i)), f"space[{i}]: {param.name} is searched twice"))
         seen.add(param.name)
-        if bundled and param.flag and engine_settings.knob_from_flag(param.flag) is None:
-            problems.append(Problem(located.line(("space", i, "flag")),
-                                    f"space[{i}].flag: the bundled engine has no flag --{param.flag}"))
-        if bundled and param.env and param.env.startswith(engine_settings.ENV_PREFIX) and \
-                engine_settings.knob_from_env(param.env) is None:
-            problems.append(Problem(located.line(("space", i, "env")),
-                                    f"space[{i}].env: the bundled engine reads no {param.env}"))
+        for field, knob in (("flag", param.flag), ("env", param.env)):
+            unknown = kind.unknown_knob(**{field: knob}) if knob else None
+            if unknown:
+                problems.append(Problem(located.line(("space", i, field)), f"space[{i}].{field}: {unknown}"))
     produced = {name: REGISTRY[name]().metrics(params) for name, params in tune.instruments.sections()}
     for section, refs in (("objectives", tune.objectives), ("constraints", tune.constraints)):
         for i, ref in enumerate(refs):

@@ -6,7 +6,7 @@ import sys
 import textwrap
 
 from lab.engine import settings as engine_settings
-from lab.ladder.launch import launch
+from lab.ladder.engines import kind_of
 from lab.ladder.render import plan
 from lab.ladder.validate import parse_ladder
 from lab.runner.boot import child_env
@@ -80,7 +80,7 @@ def test_bundled_arm_is_base_plus_its_change_and_hash_is_the_engines() -> None:
     assert c2.config["max_num_seqs"] == 8
     assert p.arm("C0ctl").config_hash == p.arm("W2ctl").config_hash != c1.config_hash
 
-    spec = launch(lad, c1, 8123)
+    spec = launch_of(lad, c1, 8123)
     assert spec.argv == [sys.executable, "-m", "lab.engine", "serve", "--host", "127.0.0.1", "--port", "8123",
                          "--model", "smollm2-135m", "--device", "cpu", "--max-num-batched-tokens", "512",
                          "--enable-prefix-caching", "true"]
@@ -114,7 +114,7 @@ COMMAND = """\
 
 def test_command_engine_renders_a_list_argv_with_placeholders_filled() -> None:
     lad = ladder(COMMAND)
-    spec = launch(lad, plan(lad).arm("A1"), 9000)
+    spec = launch_of(lad, plan(lad).arm("A1"), 9000)
     assert spec.argv == ["vllm", "serve", "org/model", "--port", "9000", "--compilation-config", '{"level": 3}',
                          "--max-num-seqs", "16", "--no-enable-prefix-caching", "--cudagraph-capture-sizes", "1", "2",
                          "4", "--speculative-config", '{"method":"ngram","k":3}']
@@ -125,9 +125,13 @@ def test_command_engine_renders_a_list_argv_with_placeholders_filled() -> None:
 def test_flag_styles() -> None:
     lad = ladder(COMMAND.replace("bool_style: negatable", "bool_style: switch")
                  .replace('served_model_name: m', 'flag_style: "--{name}={value}"'))
-    argv = launch(lad, plan(lad).arm("A1"), 1).argv
+    argv = launch_of(lad, plan(lad).arm("A1"), 1).argv
     assert argv[7:] == ["--max-num-seqs=16", "--cudagraph-capture-sizes=1,2,4",
                         '--speculative-config={"method":"ngram","k":3}']  # switch style: false is left out
     lad = ladder(COMMAND.replace("bool_style: negatable", "bool_style: value"))
-    assert "--enable-prefix-caching" in (argv := launch(lad, plan(lad).arm("A1"), 1).argv)
+    assert "--enable-prefix-caching" in (argv := launch_of(lad, plan(lad).arm("A1"), 1).argv)
     assert argv[argv.index("--enable-prefix-caching") + 1] == "false"
+
+
+def launch_of(lad, arm, port):
+    return kind_of(lad.engine).launch(arm, port)

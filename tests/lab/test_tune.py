@@ -160,7 +160,7 @@ def test_a_tune_file_is_refused_with_file_and_line(tmp_path: Path, capsys: pytes
     path.write_text(textwrap.dedent(bad))
     assert lab_main(["tune", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{path}:8: space[1].flag: the bundled engine has no flag --max-num-sequences" in err
+    assert f"{path}:8: space[1].flag: unknown flag 'max-num-sequences' for the bundled engine" in err
     assert f"{path}:10: objectives[0].metric: no listed instrument produces decode.agg_tok_s" in err
 
 
