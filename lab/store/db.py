@@ -1,11 +1,21 @@
 """Opening a store: a SQLite file by default (WAL, foreign keys on), PostgreSQL for a store shared by
-several hosts (`postgresql://user@host/db`, through psycopg 3), any SQLAlchemy URL otherwise."""
+several hosts (`postgresql://user@host/db`, through psycopg 3), any SQLAlchemy URL otherwise.
+
+A SQLite file compressed with xz (`X.db.xz`, as the stores in results/ are kept) is read where it
+lies: it is decompressed once into a cache directory, and each command reads that copy into memory, so
+nothing it writes (`lab report` stores the verdicts it judges again) reaches a file. The commands that
+add runs refuse it."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import hashlib
+import lzma
+import os
+import shutil
+import sqlite3
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +24,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
 
 from lab.store.models import Base, Meta
 
@@ -26,10 +37,10 @@ class StoreError(RuntimeError):
 
 
 class Store:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, engine: Engine | None = None) -> None:
         self.url = url
-        self.engine: Engine = create_engine(url)
-        if self.engine.dialect.name == "sqlite":
+        self.engine: Engine = engine if engine is not None else create_engine(url)
+        if engine is None and self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
@@ -90,6 +101,13 @@ def resolve_url(target: str) -> str:
 
 
 def open_store(target: str, create: bool = True) -> Store:
+    """The store at `target`; `create=False` for commands that only read (they may also read an
+    xz-compressed SQLite file), which then refuse a store that is not there."""
+    if target.endswith(".xz") and "://" not in target:
+        if create:
+            raise StoreError(f"{target} is a compressed store, which lab only reads; to write to it, decompress it "
+                             f"(xz -dk {target}) and pass --db {target[:-len('.xz')]}")
+        return _open_compressed(Path(target).expanduser())
     url = resolve_url(target)
     if url.startswith("sqlite:///") and not create and not Path(url[len("sqlite:///"):]).exists():
         raise StoreError(f"no store at {target}; pass --db with the file `lab run` wrote")
@@ -169,3 +187,71 @@ def _add_new_columns(store: Store) -> None:
             kind = column.type.compile(dialect=store.engine.dialect)
             with store.engine.begin() as connection:
                 connection.execute(text(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'))
+
+
+def cache_dir() -> Path:
+    """Where compressed stores are decompressed: $XDG_CACHE_HOME/lab/stores, else ~/.cache/lab/stores."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lab" / "stores"
+
+
+def _open_compressed(path: Path) -> Store:
+    if not path.is_file():
+        raise StoreError(f"no store at {path}; pass --db with the file `lab run` wrote")
+    cached = _decompressed(path)
+
+    def connect() -> sqlite3.Connection:
+        connection = sqlite3.connect(":memory:", check_same_thread=False)
+        connection.deserialize(cached.read_bytes())
+        connection.execute("PRAGMA foreign_keys=ON")
+        return connection
+
+    # One connection for the command's whole life: each new one would be a fresh copy.
+    return Store(f"sqlite:///{cached}", create_engine("sqlite://", creator=connect, poolclass=StaticPool))
+
+
+def _decompressed(path: Path) -> Path:
+    """The store decompressed into the cache, once per content and per table layout of this lab: named
+    by the sha256 of the compressed file and of the tables' columns, so a lab that added a column
+    decompresses it again and adds the column to its own copy before reading it."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    columns = sorted(f"{t.name}.{c.name}" for t in Base.metadata.sorted_tables for c in t.columns)
+    layout = hashlib.sha256("\n".join(columns).encode()).hexdigest()[:12]
+    cached = cache_dir() / f"{digest.hexdigest()}-{layout}.db"
+    if cached.exists():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(dir=cached.parent, prefix=cached.stem, suffix=".part")
+    partial = Path(name)
+    try:
+        with os.fdopen(handle, "wb") as out, lzma.open(path) as compressed:
+            shutil.copyfileobj(compressed, out, 1 << 20)
+        _prepare_copy(partial, path)
+        os.replace(partial, cached)  # atomic: a reader in another process sees the whole copy or none
+    except (lzma.LZMAError, EOFError) as exc:  # EOFError: the file ends before its stream does
+        raise StoreError(f"cannot decompress {path}: {exc}") from None
+    finally:
+        for leftover in (partial, *(partial.with_name(partial.name + s) for s in ("-wal", "-shm", ".lock"))):
+            leftover.unlink(missing_ok=True)
+    return cached
+
+
+def _prepare_copy(copy: Path, source: Path) -> None:
+    """Bring the decompressed copy to this lab's tables, then out of WAL mode: SQLite reads a database
+    into memory only from a file in rollback-journal mode."""
+    store = Store(f"sqlite:///{copy}")
+    try:
+        _create_tables(store)
+        version = _schema_version(store)
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"{source} has store schema {version}; this lab reads schema {SCHEMA_VERSION}")
+        with store.engine.connect() as connection:
+            connection.exec_driver_sql("PRAGMA journal_mode=DELETE")
+    except StoreError:
+        raise
+    except Exception as exc:  # not a SQLite file, or not a lab store
+        raise StoreError(f"cannot read store {source}: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
+    finally:
+        store.close()
