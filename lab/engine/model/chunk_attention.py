@@ -22,8 +22,8 @@ from lab.engine.kernels.attention_merge import merge_into
 # length measured on an H200, but PyTorch builds (and caches) a cuDNN plan for every new (query
 # length, key length), which costs more than a chat-sized attention itself; flash attention has
 # no plan. Their rates over the FLOPs the mask keeps at long shapes, and the cost of one plan, on
-# an H200 (benchmarks/attention_prefill.py, benchmarks/attention_shapes.py; figures in
-# reports/BENCHMARKS.md). Any of "flash", "cudnn", "efficient" gives the same numbers to rounding.
+# an H200 (benchmarks/attention_prefill.py, benchmarks/attention_shapes.py).
+# Any of "flash", "cudnn", "efficient" gives the same numbers to rounding.
 FLASH_FLOPS_PER_S = 330e12
 CUDNN_FLOPS_PER_S = 590e12
 CUDNN_PLAN_S = 0.045
