@@ -17,7 +17,8 @@ DEFAULT_DB = "lab.db"
 
 def _db_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH|URL",
-                        help=f"the store: a SQLite file or any SQLAlchemy URL (default: ./{DEFAULT_DB})")
+                        help="the store: a SQLite file (commands that only read also take one compressed with xz, "
+                             f"X.db.xz) or any SQLAlchemy URL (default: ./{DEFAULT_DB})")
 
 
 def _run_args(parser: argparse.ArgumentParser) -> None:

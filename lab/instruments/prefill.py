@@ -9,7 +9,7 @@ offers it. A repeat is invalid when any of its prompt tokens came from the cache
 Cells, all with params `{length}`: `prefill_tok_s` and `ttft_s` for each repeat (repeat = rep),
 and `prefill_tok_s_median` over the valid repeats. `warmup_reps: w` sends w such prompts first at
 each length and leaves them out of every cell (their receipts stay with the step): on a GPU the
-first request of a length is slower than the rest in every boot (reports/BENCHMARKS.md). The KEEP
+first request of a length is slower than the rest in every boot. The KEEP
 rule's median of repeats of `prefill_tok_s` is that same median.
 
 With `tail_tokens: n` each repeat goes on to generate n more tokens (`ignore_eos`) after its

@@ -48,6 +48,9 @@ def print_run(console: Console, store: Store, ref: str) -> None:
     for arm in reader.arms(store, run.id):
         arms.add_row(arm.name, arm.window, arm.role, escape(_change(arm.change)), arm.config_hash)
     console.print(arms)
+    verdicts = reader.stored_verdicts(store, run.id)
+    if verdicts:
+        console.print(_tally(verdicts), highlight=False)
     boots = Table("slot", "window", "arm", "role", "try", "status", "cold", "ready s", "exit", "stop", "cells",
                   "reason", title="boots", title_justify="left")
     health = reader.cell_health(store, run.id)
@@ -72,6 +75,23 @@ def print_run(console: Console, store: Store, ref: str) -> None:
         tail = "\n".join(boot.log_tail.rstrip().splitlines()[-TAIL_LINES:])
         console.print(f"[bold]{slot.idx:02d} {slot.arm}[/] try {boot.attempt}, {boot.log_path}:", highlight=False)
         console.print(escape(tail), style="dim", highlight=False)
+
+
+def _tally(verdicts: dict) -> str:
+    """`verdicts: 1 keep, 8 reject (2 regressed, 6 no effect), 1 inconclusive`, as `lab run` stored them
+    (`lab report` and `lab compare` judge again with the newest calibration)."""
+    decisions = [v.decision for v in verdicts.values()]
+    why: dict[str, int] = {}
+    for v in verdicts.values():
+        if v.decision == "reject":
+            detail = v.detail or {}
+            kind = ("gate failed" if any(g and not g.get("passed") for g in detail.get("gates", {}).values())
+                    else "regressed" if any(r.get("status") == "regressed" for r in detail.get("metrics", []))
+                    else "no effect")
+            why[kind] = why.get(kind, 0) + 1
+    reasons = f" ({', '.join(f'{n} {kind}' for kind, n in why.items())})" if why else ""
+    return (f"verdicts: {decisions.count('keep')} keep, {decisions.count('reject')} reject{reasons}, "
+            f"{decisions.count('inconclusive')} inconclusive")
 
 
 def _print_capabilities(console: Console, boots: list) -> None:

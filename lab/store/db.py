@@ -5,6 +5,10 @@ The commands that only read (`lab ls`, `report`, `compare`, `export`, `history`,
 read-only: nothing is created or upgraded, a SQLite file is opened in SQLite's read-only mode and a
 PostgreSQL session is a read-only transaction, so the database itself refuses any write. A store on
 a read-only path, one a database user may only read, or one another process is writing all work.
+
+A SQLite file compressed with xz (`X.db.xz`, as the stores in results/ are kept) is read where it
+lies: it is decompressed once into a cache directory and opened read-only there. The commands that
+add runs refuse it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import lzma
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -108,6 +116,14 @@ def resolve_url(target: str) -> str:
 def open_store(target: str, read_only: bool = False) -> Store:
     """The store at `target`, created (tables, added columns) where missing; with `read_only`, an
     existing store opened for reading only (module docstring), or StoreError saying why it cannot be."""
+    if target.endswith(".xz") and "://" not in target:
+        if not read_only:
+            raise StoreError(f"{target} is a compressed store, which lab only reads; to write to it, decompress it "
+                             f"(xz -dk {target}) and pass --db {target[:-len('.xz')]}")
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise StoreError(f"no store at {target}; pass --db with the file `lab run` wrote")
+        target = str(_decompressed(path))
     url = resolve_url(target)
     if read_only:
         return _open_read_only(target, url)
@@ -250,3 +266,57 @@ def _add_new_columns(store: Store) -> None:
             kind = column.type.compile(dialect=store.engine.dialect)
             with store.engine.begin() as connection:
                 connection.execute(text(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}'))
+
+
+def cache_dir() -> Path:
+    """Where compressed stores are decompressed: $XDG_CACHE_HOME/lab/stores, else ~/.cache/lab/stores."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lab" / "stores"
+
+
+
+def _decompressed(path: Path) -> Path:
+    """The store decompressed into the cache, once per content and per table layout of this lab: named
+    by the sha256 of the compressed file and of the tables' columns, so a lab that added a column
+    decompresses it again and adds the column to its own copy before reading it."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    columns = sorted(f"{t.name}.{c.name}" for t in Base.metadata.sorted_tables for c in t.columns)
+    layout = hashlib.sha256("\n".join(columns).encode()).hexdigest()[:12]
+    cached = cache_dir() / f"{digest.hexdigest()}-{layout}.db"
+    if cached.exists():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(dir=cached.parent, prefix=cached.stem, suffix=".part")
+    partial = Path(name)
+    try:
+        with os.fdopen(handle, "wb") as out, lzma.open(path) as compressed:
+            shutil.copyfileobj(compressed, out, 1 << 20)
+        _prepare_copy(partial, path)
+        os.replace(partial, cached)  # atomic: a reader in another process sees the whole copy or none
+    except (lzma.LZMAError, EOFError) as exc:  # EOFError: the file ends before its stream does
+        raise StoreError(f"cannot decompress {path}: {exc}") from None
+    finally:
+        for leftover in (partial, *(partial.with_name(partial.name + s) for s in ("-wal", "-shm", ".lock"))):
+            leftover.unlink(missing_ok=True)
+    return cached
+
+
+def _prepare_copy(copy: Path, source: Path) -> None:
+    """Bring the decompressed copy to this lab's tables (a store written by an earlier lab may lack a
+    column), then out of WAL mode, so a reader needs no `-shm` file beside it."""
+    store = Store(f"sqlite:///{copy}")
+    try:
+        _create_tables(store)
+        version = _schema_version(store)
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"{source} has store schema {version}; this lab reads schema {SCHEMA_VERSION}")
+        with store.engine.connect() as connection:
+            connection.exec_driver_sql("PRAGMA journal_mode=DELETE")
+    except StoreError:
+        raise
+    except Exception as exc:  # not a SQLite file, or not a lab store
+        raise StoreError(f"cannot read store {source}: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
+    finally:
+        store.close()

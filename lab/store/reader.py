@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, selectinload
 from lab.store import models as m
 from lab.store.db import Store
 from lab.store.rows import (ArmRecord, BootRecord, CellHealth, CellRecord, NoiseRecord, RunRecord, RunSummary,
-                            SeriesPointRecord, SlotRecord, record)
+                            SeriesPointRecord, SlotRecord, VerdictRecord, record)
 
 LIVE = ("starting", "ready")  # a boot in one of these states has a process the lab may still own
 OK = ("done",)
@@ -82,6 +82,16 @@ def arms(store: Store, run_id: int) -> list[ArmRecord]:
 def _arms(s: Session, run_id: int) -> list[ArmRecord]:
     return [record(ArmRecord, a) for a in s.scalars(select(m.Arm).where(m.Arm.run_id == run_id)
                                                     .order_by(m.Arm.id)).all()]
+
+
+def stored_verdicts(store: Store, run_id: int) -> dict[str, VerdictRecord]:
+    """The verdicts `lab run` stored, by arm name: what it decided when each window closed (reading
+    commands judge again in memory, with the newest calibration)."""
+    with store.session() as s:
+        rows = s.execute(select(m.Verdict, m.Arm.name).join(m.Arm, m.Arm.id == m.Verdict.arm_id)
+                         .where(m.Verdict.run_id == run_id).order_by(m.Arm.id)).all()
+        return {name: VerdictRecord(name, v.decision, list(v.reasons), dict(v.detail or {}), v.created_at)
+                for v, name in rows}
 
 
 def stored_steps(store: Store, slot_id: int) -> set[tuple[str, str]]:

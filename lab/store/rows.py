@@ -190,6 +190,17 @@ class QevalItemRecord:
 
 
 @dataclass(frozen=True)
+class VerdictRecord:
+    """The KEEP decision `lab run` stored for one arm when its window closed."""
+
+    arm: str
+    decision: str  # keep | reject | inconclusive
+    reasons: list[Any]
+    detail: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
 class NoiseRecord:
     """One key metric's boot-to-boot noise from a `lab calibrate` run."""
 

@@ -1,5 +1,6 @@
 """The floors every "of floor" figure is measured against, on Llama-3-8B's shapes, checked
-against the arithmetic written out by hand in reports/BENCHMARKS.md (issue 17's decode analysis)."""
+against the same arithmetic done by hand (a decode step's bytes and FLOPs per part, at the
+measured copy and matmul ceilings)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ def dependent_launch_prologue():
     before any load or store keeps every read-after-write and write-after-read between the two in
     order; what overlaps is the next launch and its programs' placement with this kernel's body.
     Releasing the next kernel before waiting cascades: it releases the one after it while this one
-    still waits, and so on down the step, until programs that can only wait fill the SMs (measured
-    in reports/BENCHMARKS.md)."""
+    still waits, and so on down the step, until programs that can only wait fill the SMs."""
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
 
