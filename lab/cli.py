@@ -6,6 +6,7 @@ Handlers import what they need when they run, so `lab --help` stays fast and nev
 from __future__ import annotations
 
 import argparse
+import shlex
 import functools
 import math
 import logging
@@ -55,6 +56,7 @@ EXIT_OUT_OF_TIME = 75
 def cmd_run(args: argparse.Namespace) -> int:
     from lab.analysis.verdicts import key_figure_missing
     from lab.ladder import render
+    from lab.ladder.engines import kind_of
     from lab.ladder.validate import load_ladder
     from lab.report.listing import print_plan
     from lab.runner.run import create, execute, resume
@@ -67,7 +69,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.ladder:
             raise UsageError("--dry-run needs LADDER.yaml")
         ladder, _ = load_ladder(args.ladder)
-        print_plan(_console(stdout=True), render.plan(ladder))
+        plan = render.plan(ladder)
+        kind = kind_of(ladder.engine)
+        # What each arm would run, its environment first; the port is chosen at each boot.
+        commands = {arm.name: shlex.join([*(f"{k}={v}" for k, v in sorted(launch.env.items())), *launch.argv])
+                    for arm in plan.arms for launch in [kind.launch(arm, "{port}")]}
+        print_plan(_console(stdout=True), plan, commands)
         return 0
     store = open_store(args.db)
     try:

@@ -118,7 +118,8 @@ def _cells(health: CellHealth | None) -> str:
     return f"{health.valid} valid, [red]{health.invalid} invalid[/]{why}"
 
 
-def print_plan(console: Console, plan: Plan) -> None:
+def print_plan(console: Console, plan: Plan, commands: dict[str, str] | None = None) -> None:
+    """The planned boots; with `commands` (arm name -> its rendered command line), each arm's command."""
     table = Table("slot", "window", "arm", "role", "position", "change", "config hash")
     arms = {a.name: a for a in plan.arms}
     for slot in plan.slots:
@@ -126,3 +127,5 @@ def print_plan(console: Console, plan: Plan) -> None:
         table.add_row(str(slot.idx), slot.window or "-", slot.arm, slot.role, slot.position,
                       escape(_change(arm.change)), arm.config_hash)
     console.print(table)
+    for name, line in (commands or {}).items():
+        console.print(f"[bold]{name}[/]: {escape(line)}", soft_wrap=True, highlight=False)

@@ -239,3 +239,14 @@ def test_a_command_engine_that_names_a_readable_tokenizer_passes(tmp_path: Path,
     path = tmp_path / "c.yaml"
     path.write_text(COMMAND.format(executable="python3", tokenizer="smollm2-135m"))
     assert lab("run", "--dry-run", "c.yaml") == 0, capsys.readouterr().err
+
+
+def test_dry_run_prints_the_command_each_arm_boots(tmp_path: Path, lab, capsys) -> None:
+    """What a command engine will run is visible before anything boots: its argv with the arm's
+    flags rendered, the port left as the template the lab fills at each boot."""
+    (tmp_path / "c.yaml").write_text(COMMAND.format(executable="python3", tokenizer="smollm2-135m")
+                                     .replace("command: [", "env: {FOO: bar}\n  command: ["))
+    assert lab("run", "--dry-run", "c.yaml") == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "W1ctl: FOO=bar python3 -m some.server --port '{port}'\n" in out
+    assert "A1: FOO=bar python3 -m some.server --port '{port}' --seqs 2\n" in out
