@@ -129,7 +129,7 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
     for name, heading, instrument in (("decode_ladder", "Decode ladder", "decode"), ("prefill", "Prefill", "prefill"),
                                       ("needle", "Needle retrieval", "needle"), ("mixed", "Mixed traffic", "mixed")):
         blocks += [doc.Heading(heading), doc.FigureBlock(figures[name])]
-        why = tables.invalid_reason(data, instrument) if figures[name].png is None else None
+        why = tables.invalid_reason(data, instrument)
         if why:
             blocks.append(doc.Paragraph(why, note=True))
 
