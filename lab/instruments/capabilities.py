@@ -18,6 +18,11 @@ own:
   that the tokenizer the probe uses makes one token each of. `{"ok": True, "ids": [...], "via": ...}`
   lets decode and prefill's tail send the ban (`eos_ban_bias`) and say so in their cells;
   `{"ok": False, "why": ...}` keeps today's behaviour: streams may end early, and are flagged.
+- `chunk_count`, where a stream carries no `usage`: whether it streams one token per chunk: a
+  greedy stream of CHUNK_CHECK_TOKENS tokens against the same request answered whole, its chunks
+  against that answer's `usage.completion_tokens`. Where it does, a stream's completion tokens are
+  its chunks (`token_count.py`): re-tokenizing streamed text undercounts where the tokenizer merges
+  what the model generated as separate tokens.
 - `logprobs`: a completion asked for `logprobs` returned them.
 - `tokenizer`: the route that tokenizes a prompt (`/tokenize`, llama-cpp-python's
   `/extras/tokenize`), or None.
@@ -57,6 +62,8 @@ log = logging.getLogger("lab.capabilities")
 # A chat an instruct model ends within a few tokens; `ignore_eos` must carry it to EOS_MAX_TOKENS.
 EOS_QUESTION = "Reply with the single word: yes."
 EOS_MAX_TOKENS = 32
+# The stream whose chunks are checked against the same request's usage.
+CHUNK_CHECK_TOKENS = 8
 # The large prompt's reply: enough tokens to check a tokenizer's count of generated text.
 LARGE_MAX_TOKENS = 8
 # Instruments whose figures are token counts over time: they need `usage` or a checked tokenizer.
@@ -109,9 +116,12 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
             caps["error"] = answer.error
             return caps
         caps["logprobs"] = bool(answer.logprobs)
-        stream = await client.request({"model": endpoint.model, "prompt": f"{salt_line(salt)} Hello", "max_tokens": 2,
-                                       "temperature": 0})
+        short = {"model": endpoint.model, "prompt": f"{salt_line(salt)} Hello", "max_tokens": CHUNK_CHECK_TOKENS,
+                 "temperature": 0}
+        stream = await client.request(short)
         caps["streamed_usage"] = stream.ok and stream.usage_present
+        if stream.ok and not stream.usage_present:
+            caps["chunk_count"] = _check_chunks(stream, await client.request({**short, "stream": False}))
         replies = [answer]
         caps["ignore_eos"] = "not asked"
         if ask_eos:
@@ -254,11 +264,32 @@ async def _check_counts(extras: EngineExtras, tokenizer: str | None, prompt: str
     return {"ok": False, "why": f"{tokenizer} counts differ from the engine's usage: {shown}"}
 
 
+def _check_chunks(stream: Receipt, whole: Receipt) -> dict[str, Any]:
+    """Whether the stream carried one token per chunk: as many chunks as the same greedy request's
+    `usage.completion_tokens`, with the same text."""
+    if not whole.ok or not whole.usage_present:
+        return {"ok": False, "why": "no non-streamed usage to check the chunks against"}
+    chunks = len(stream.token_times_ns)
+    checked = f"{chunks} chunks, usage {whole.completion_tokens}"
+    if chunks == whole.completion_tokens and stream.text == whole.text:
+        return {"ok": True, "checked": checked}
+    return {"ok": False, "why": f"not one token per chunk: {checked}" + ("" if stream.text == whole.text else
+                                                                         ", and the texts differ")}
+
+
+def chunks_are_tokens(caps: dict[str, Any] | None) -> bool:
+    """Whether a stream's completion tokens may be counted as its chunks (checked at the probe)."""
+    return bool(caps and (caps.get("chunk_count") or {}).get("ok"))
+
+
 def count_note(caps: dict[str, Any] | None) -> str:
-    """The note of a cell whose token counts came from the tokenizer, or ''."""
+    """The note of a cell whose token counts came from the tokenizer (or the stream's chunks), or ''."""
     if caps is None or caps.get("streamed_usage", True):
         return ""
-    return f"tokens counted by {caps['token_count']['via']}"
+    via = caps["token_count"]["via"]
+    if chunks_are_tokens(caps):
+        return f"prompt tokens counted by {via}, completion tokens as stream chunks (one token each, checked)"
+    return f"tokens counted by {via}"
 
 
 def refusal(instrument: str, caps: dict[str, Any] | None) -> str | None:
@@ -294,6 +325,8 @@ def summary(caps: dict[str, Any] | None) -> str:
     if not caps.get("streamed_usage"):
         count = caps.get("token_count") or {}
         usage += f" (counted by {count['via']})" if count.get("ok") else " (uncountable)"
+        if caps.get("chunk_count"):
+            usage += " · one token per chunk " + ("✓" if chunks_are_tokens(caps) else "✗")
     tok = caps.get("tokenizer") or "✗"
     if not caps.get("tokenizer") and caps.get("ladder_tokenizer"):
         checked = caps.get("token_count") or {}
