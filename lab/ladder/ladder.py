@@ -140,6 +140,16 @@ class Hygiene(Strict):
                                  "the ladder's largest request); where that prefill takes minutes (a 1M-token "
                                  "prompt) the probe would otherwise double every boot, warm-ups included")
 
+    ports: Optional[tuple[Annotated[int, Field(ge=1024, le=65535)], Annotated[int, Field(ge=1024, le=65535)]]] = Field(
+        None, description="[first, last]: the ports engines may listen on (a firewall, or two labs on one host); "
+                          "default any free port")
+
+    @model_validator(mode="after")
+    def _ports_ordered(self) -> "Hygiene":
+        if self.ports is not None and self.ports[0] > self.ports[1]:
+            raise ValueError(f"ports: {self.ports[0]} is above {self.ports[1]}; give [first, last]")
+        return self
+
     def warmup_names(self, first_control: str) -> list[str]:
         """The arms (or controls) booted once, unmeasured, before the first window."""
         if self.warmup_boot is True:

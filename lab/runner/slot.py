@@ -9,6 +9,7 @@ slot pending, for `lab run --resume` to boot again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -69,8 +70,11 @@ def run_slot(rc: RunContext, slot: SlotRecord) -> str:
                                f"{label}: waiting for MemAvailable ≥ {hygiene.min_mem_available_gib:g} GiB "
                                f"({avail / 2**30:.1f} GiB, {waited:.0f} s)"))
     arm = rc.plan.arm(slot.arm)
-    port = engine_boot.free_port()
-    spec = kind_of(rc.ladder.engine).launch(arm, port)
+    try:
+        port: int | None = engine_boot.free_port(hygiene.ports)
+    except engine_boot.PortsBusy as exc:  # the boot is stored failed, its argv with the port unfilled
+        port, gate = None, dataclasses.replace(gate, ok=False, reason=str(exc))
+    spec = kind_of(rc.ladder.engine).launch(arm, "{port}" if port is None else port)
     env, removed = engine_boot.child_env(spec.env)
     boot_id, attempt = writer.start_boot(
         rc.store, run_id=rc.run_id, slot_id=slot.id, port=port, argv=spec.argv, env=spec.env, env_removed=removed,
