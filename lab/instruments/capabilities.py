@@ -23,6 +23,12 @@ own:
   against that answer's `usage.completion_tokens`. Where it does, a stream's completion tokens are
   its chunks (`token_count.py`): re-tokenizing streamed text undercounts where the tokenizer merges
   what the model generated as separate tokens.
+- `overlap`, where an instrument of the ladder sends requests that overlap (decode above one
+  stream, mixed): `kept` when a stream still runs to its end after a second request arrived,
+  `interrupted` when the second cut it short (llama-cpp-python's server does, unless started with
+  `--interrupt_requests false`): such an engine serves one request at a time, and every figure
+  of overlapping requests would be wrong, so those cells are stored invalid with the reason;
+  `unknown` when the first stream ended before the second was sent.
 - `logprobs`: a completion asked for `logprobs` returned them.
 - `tokenizer`: the route that tokenizes a prompt (`/tokenize`, llama-cpp-python's
   `/extras/tokenize`), or None.
@@ -64,12 +70,18 @@ EOS_QUESTION = "Reply with the single word: yes."
 EOS_MAX_TOKENS = 32
 # The stream whose chunks are checked against the same request's usage.
 CHUNK_CHECK_TOKENS = 8
+# The overlap check: a stream of OVERLAP_TOKENS, and a second request OVERLAP_DELAY_S after it.
+OVERLAP_TOKENS = 64
+OVERLAP_DELAY_S = 0.05
 # The large prompt's reply: enough tokens to check a tokenizer's count of generated text.
 LARGE_MAX_TOKENS = 8
 # Instruments whose figures are token counts over time: they need `usage` or a checked tokenizer.
 COUNTING = ("prefill", "decode", "mixed")
 # Instruments that send prompts of an exact length: a tokenizer the ladder names must count as the engine does.
 EXACT = ("prefill", "mixed")
+# Instruments whose every figure rests on requests that overlap (decode's levels above one stream
+# check it per level, lab/instruments/decode.py).
+OVERLAPPING = ("mixed",)
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ class Endpoint:
 
 
 async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: bool = True,
-                tokenizer: str | None = None) -> dict[str, Any]:
+                tokenizer: str | None = None, ask_overlap: bool = False) -> dict[str, Any]:
     """The capabilities of the engine at `endpoint` (module docstring), as a JSON-able dict.
     `largest_prompt` is the most tokens (prompt and output) one request of the ladder holds, at
     least LARGE_MAX_TOKENS + 32; `tokenizer` the one the ladder names (`engine.tokenizer`), used
@@ -134,6 +146,8 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
                                                  tokenizer, via)
             # Not the forced reply: the special tokens generated past EOS leave no text to count.
             replies.append(plain)
+        if ask_overlap:
+            caps["overlap"] = await _overlap(endpoint, salt)
         if unreadable is not None:
             caps["token_count"] = {"ok": False, "why": unreadable}
         else:
@@ -277,6 +291,33 @@ def _check_chunks(stream: Receipt, whole: Receipt) -> dict[str, Any]:
                                                                          ", and the texts differ")}
 
 
+async def _overlap(endpoint: Endpoint, salt: str) -> dict[str, Any]:
+    """Two streams, the second sent while the first runs: whether the first still runs to its end."""
+    first = {"model": endpoint.model, "prompt": f"{salt_line(salt)} Count slowly:", "max_tokens": OVERLAP_TOKENS,
+             "temperature": 0, "ignore_eos": True}
+    second = {**first, "prompt": f"{salt_line(salt)} And again:", "max_tokens": 4}
+    async with StreamingClient(endpoint.base_url, endpoint.api_key, max_connections=2) as client:
+        a, b = await client.run_all([first, second], 2, offsets_s=[0.0, OVERLAP_DELAY_S])
+    if not (a.ok and b.ok):
+        return {"found": "unknown", "why": f"a request failed: {a.error or b.error}"}
+    if b.t_sent_ns is not None and a.t_done_ns is not None and a.t_done_ns <= b.t_sent_ns:
+        return {"found": "unknown", "why": "the first stream ended before the second was sent"}
+    tokens = a.completion_tokens if a.usage_present else len(a.token_times_ns)
+    if a.finish_reason == "length" and tokens >= OVERLAP_TOKENS:
+        return {"found": "kept"}
+    return {"found": "interrupted", "why": f"a second request cut the first stream short ({tokens} of "
+                                            f"{OVERLAP_TOKENS} tokens, finish_reason {a.finish_reason!r})"}
+
+
+def interrupts(caps: dict[str, Any] | None) -> str | None:
+    """Why the engine cannot serve overlapping requests (it interrupts the one in progress), or None."""
+    found = (caps or {}).get("overlap") or {}
+    if found.get("found") != "interrupted":
+        return None
+    return (f"the engine interrupts a request in progress when another arrives: {found['why']} (it serves one "
+            "request at a time; llama-cpp-python's server: start it with --interrupt_requests false)")
+
+
 def chunks_are_tokens(caps: dict[str, Any] | None) -> bool:
     """Whether a stream's completion tokens may be counted as its chunks (checked at the probe)."""
     return bool(caps and (caps.get("chunk_count") or {}).get("ok"))
@@ -300,6 +341,8 @@ def refusal(instrument: str, caps: dict[str, Any] | None) -> str | None:
     if instrument in COUNTING and not caps.get("streamed_usage", True):
         if not count.get("ok"):
             return f"the engine streams no usage and its tokens cannot be counted: {count.get('why', 'not probed')}"
+    if instrument in OVERLAPPING and interrupts(caps):
+        return interrupts(caps)
     if instrument in EXACT and caps.get("ladder_tokenizer") and not count.get("ok"):
         return f"prompts of an exact length need the ladder's tokenizer, which cannot be used: {count.get('why')}"
     return None
@@ -336,7 +379,10 @@ def summary(caps: dict[str, Any] | None) -> str:
     ban = caps.get("eos_ban")
     if ban:
         eos += ", EOS banned by logit_bias ✓" if ban.get("ok") else f", EOS ban by logit_bias ✗ ({ban.get('why')})"
-    return " · ".join([f"{size} ✓", usage, eos, f"logprobs {mark('logprobs')}",
+    parts = [f"{size} ✓", usage, eos]
+    if caps.get("overlap"):
+        parts.append(f"overlapping requests {caps['overlap']['found']}")
+    return " · ".join([*parts, f"logprobs {mark('logprobs')}",
                        f"tokenizer {tok}", f"metrics {mark('metrics')}",
                        f"stats {mark('stats')}", f"cache reset {mark('prefix_cache_reset')}"])
 

@@ -170,10 +170,15 @@ def _probe(rc: RunContext, spec: Launch, boot_id: int, slot: SlotRecord) -> dict
     endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
     try:
-        ask_eos = any(getattr(rc.instruments[name], "sends_ignore_eos", lambda _: False)(params)
-                      for name, params in rc.ladder.instruments.sections())
-        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, ask_eos,
-                                              getattr(rc.ladder.engine, "tokenizer", None)))
+        def asks(what: str) -> bool:
+            return any(getattr(rc.instruments[name], what, lambda _: False)(params)
+                       for name, params in rc.ladder.instruments.sections())
+
+        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, asks("sends_ignore_eos"),
+                                              getattr(rc.ladder.engine, "tokenizer", None),
+                                              # The bundled engine is known to batch overlapping requests.
+                                              ask_overlap=asks("sends_overlapping")
+                                              and not kind_of(rc.ladder.engine).is_the_labs))
     except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
         caps = {"answered": False, "largest_prompt": {"tokens": largest}, "error": f"{type(exc).__name__}: {exc}"}
     if capped_from is not None:
