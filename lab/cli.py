@@ -67,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.ladder:
             raise UsageError("--dry-run needs LADDER.yaml")
         ladder, _ = load_ladder(args.ladder)
-        print_plan(_console(stdout=True), render.plan(ladder))
+        print_plan(_console(stdout=True), render.plan(ladder), ladder)
         return 0
     store = open_store(args.db)
     try:

@@ -88,7 +88,8 @@ class Window(Strict):
     name: Name
     control: Name | None = Field(None,
                                  description="name of the control boots that open and close it; default <window>ctl")
-    arms: list[Arm] = Field(default_factory=list)
+    arms: list[Arm] = Field(default_factory=list,
+                            description="none: the control alone, measured `repeats` times and never judged")
 
     @property
     def control_name(self) -> str:
@@ -182,7 +183,8 @@ class Ladder(Strict):
     windows: list[Window] = Field(min_length=1)
     repeats: int = Field(1, ge=1, le=20, description="boots of every arm per window, interleaved with controls "
                                                      "(C A B C A B C for 2); the boot is the unit of replication, "
-                                                     "and 2 or more give each verdict a confidence interval")
+                                                     "and 2 or more give each verdict a confidence interval; "
+                                                     "a window with no arms boots its control this many times")
     instruments: Instruments = Field(default_factory=Instruments)  # type: ignore[valid-type]
     keep: Keep = Field(default_factory=Keep)
     hygiene: Hygiene = Field(default_factory=Hygiene)

@@ -1,12 +1,12 @@
 """Checks that a ladder can be run here, made before anything boots.
 
 `lab.ladder.validate` accepts a ladder that is well formed; these checks refuse one that would spend
-its boots and then fail, or hurt the host: a window with no arm to judge, a KEEP metric whose
-`where` does not pick exactly one cell per boot (checked against the cells each instrument
-declares, without running it), a request longer than the engine's context or than the host can
-build in memory, a memory floor above what the host has, a command engine's `tokenizer` that is
-not there or cannot be read. They apply to a ladder about to run (`lab run`, `--dry-run`), not to
-a stored ladder read back for a report: a store written on another host must stay readable here.
+its boots and then fail, or hurt the host: a KEEP metric whose `where` does not pick exactly one
+cell per boot (checked against the cells each instrument declares, without running it), a request
+longer than the engine's context or than the host can build in memory, a memory floor above what
+the host has, a command engine's `tokenizer` that is not there or cannot be read. They apply to a
+ladder about to run (`lab run`, `--dry-run`), not to a stored ladder read back for a report: a store
+written on another host must stay readable here.
 """
 
 from __future__ import annotations
@@ -41,17 +41,11 @@ class Host:
 
 def problems(ladder: Ladder, located: Located, host: Host | None) -> list[Problem]:
     """Everything that stops this ladder from running as written; host checks only with a host."""
-    found = _empty_windows(ladder, located) + _where(ladder, located) + _contexts(ladder, located)
+    found = _where(ladder, located) + _contexts(ladder, located)
     if host is not None:
         found += _host_memory(ladder, located, host) + kind_of(ladder.engine).file_problems(located)
     return found
 
-
-
-def _empty_windows(ladder: Ladder, located: Located) -> list[Problem]:
-    return [Problem(located.line(("windows", w, "name")),
-                    f"window {window.name} has no arms: its boots would measure the control and judge nothing")
-            for w, window in enumerate(ladder.windows) if not window.arms]
 
 
 def _where(ladder: Ladder, located: Located) -> list[Problem]:

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from lab.ladder.errors import LadderError
+from lab.ladder.render import plan
 from lab.ladder.runnable import Host
 from lab.ladder.validate import load_ladder
 from lab.store import models as m
@@ -61,7 +62,6 @@ REFUSED: list[tuple[str, bytes, int, str]] = [
     ("alias that contains itself", (GOOD + "loop: &loop [*loop]\n").encode(), 18, "contains it"),
     ("5,000 levels deep", (GOOD + "deep: " + "[" * 5000 + "]" * 5000 + "\n").encode(), 18, "nest deeper than 32"),
     ("too large", (GOOD + "#" * (1 << 20) + "\n").encode(), 0, "a ladder may be at most"),
-    ("window with no arms", variant("    arms:\n" + ARM, "    arms: []\n").encode(), 7, "window W1 has no arms"),
     ("prefill length beyond the context", variant("[256]", "[9000]").encode(), 12,
      "a request of 9,001 tokens does not fit the context of 2,048 that the base engine boots with"),
     ("prefill length beyond an arm's context", variant(ARM, "      - {name: A1, flags: {max-model-len: 512}}\n")
@@ -152,6 +152,13 @@ def test_the_good_ladder_is_accepted_and_aliases_within_bounds_are_kept(tmp_path
                     .replace(ARM, "      - {name: A1, flags: {max-num-seqs: 4}, note: *why}\n"))
     ladder, _ = load_ladder(path, host=HOST)
     assert ladder.windows[0].arms[0].note == "tune the step budget"
+
+
+def test_a_window_with_no_arms_is_accepted_and_plans_one_measured_boot(tmp_path: Path) -> None:
+    path = tmp_path / "once.yaml"
+    path.write_text(variant("    arms:\n" + ARM, "    arms: []\n"))
+    ladder, _ = load_ladder(path, host=HOST)  # its key metric is measured, not judged
+    assert [(slot.role, slot.position) for slot in plan(ladder).slots] == [("control", "open")]
 
 
 def test_dry_run_of_an_alias_bomb_is_one_line_and_exit_2(tmp_path: Path, lab, capsys) -> None:
