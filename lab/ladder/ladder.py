@@ -128,6 +128,20 @@ class Keep(Strict):
         return [MetricRef(metric=m) if isinstance(m, str) else m for m in self.metrics]
 
 
+class Neighbour(Strict):
+    """Another tenant's job: a process started before each measured boot's engine and stopped after it."""
+
+    command: list[str] = Field(min_length=1, description="argv, no shell: [python3, -c, 'while True: pass']")
+    cpus: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
+        None, min_length=1, description="the CPUs it is pinned to (CPU affinity); default: not pinned")
+
+    @model_validator(mode="after")
+    def _program_named(self) -> "Neighbour":
+        if not self.command[0].strip():
+            raise ValueError("command: the program (its first element) is empty")
+        return self
+
+
 class Hygiene(Strict):
     min_mem_available_gib: float = Field(1.0, ge=0, allow_inf_nan=False, description="host MemAvailable needed before each boot")
     mem_wait_s: float = Field(60.0, ge=0, allow_inf_nan=False, description="how long to wait for it before failing the boot")
@@ -140,6 +154,10 @@ class Hygiene(Strict):
         None, ge=64, description="the most tokens the capability probe's large request holds at each boot (default: "
                                  "the ladder's largest request); where that prefill takes minutes (a 1M-token "
                                  "prompt) the probe would otherwise double every boot, warm-ups included")
+
+    neighbour: Optional[Neighbour] = Field(
+        None, description="a process beside every measured boot (not warm-ups), in its own process group, "
+                          "its output in the boot's log folder: what the engine does beside another job")
 
     def warmup_names(self, first_control: str) -> list[str]:
         """The arms (or controls) booted once, unmeasured, before the first window."""

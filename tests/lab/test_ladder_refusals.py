@@ -36,7 +36,12 @@ hygiene: {min_mem_available_gib: 1}
 """
 ARM = "      - {name: A1, flags: {max-num-seqs: 4}}\n"
 WHERE = "{metric: decode.agg_tok_s, where: {level: 2}}"
-HOST = Host(mem_total_bytes=16 * 1024**3)
+HOST = Host(mem_total_bytes=16 * 1024**3, cpus=frozenset({0, 1}))
+NEIGHBOUR = "hygiene:\n  neighbour: {command: %s, cpus: %s}\n"
+
+
+def neighbour(command: str, cpus: str = "[0]") -> bytes:
+    return variant("hygiene: {min_mem_available_gib: 1}\n", NEIGHBOUR % (command, cpus)).encode()
 
 
 def variant(old: str, new: str) -> str:
@@ -87,6 +92,16 @@ REFUSED: list[tuple[str, bytes, int, str]] = [
      17, "100000 GiB is more than this host has (16.0 GiB in all)"),    ("probe prompt below the probe's own minimum",
      variant("min_mem_available_gib: 1}", "min_mem_available_gib: 1, probe_prompt_tokens: 10}").encode(), 17,
      "hygiene.probe_prompt_tokens: Input should be greater than or equal to 64"),
+    ("neighbour pinned to a CPU the host lacks", neighbour("[python3, -c, pass]", "[0, 7]"), 18,
+     "hygiene.neighbour.cpus: this host has no CPU 7 the lab may use (it may use 0, 1)"),
+    ("neighbour with no command", neighbour("[]"), 18,
+     "hygiene.neighbour.command: List should have at least 1 item"),
+    ("neighbour with an empty program", neighbour("['', -c, pass]"), 18,
+     "command: the program (its first element) is empty"),
+    ("neighbour whose program is not there", neighbour("[no-such-program-here, -x]"), 18,
+     "hygiene.neighbour.command: 'no-such-program-here' is not a program on this host's PATH"),
+    ("neighbour on a negative CPU", neighbour("[python3]", "[-1]"), 18,
+     "Input should be greater than or equal to 0"),
 ]
 
 
