@@ -74,7 +74,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # What each arm would run, its environment first; the port is chosen at each boot.
         commands = {arm.name: shlex.join([*(f"{k}={v}" for k, v in sorted(launch.env.items())), *launch.argv])
                     for arm in plan.arms for launch in [kind.launch(arm, "{port}")]}
-        print_plan(_console(stdout=True), plan, commands)
+        print_plan(_console(stdout=True), plan, ladder, commands)
         return 0
     store = open_store(args.db)
     try:

@@ -59,12 +59,16 @@ def qeval_table(data: RunData) -> pd.DataFrame:
     for window, part in items.groupby("window", sort=False):
         opening = part[(part["slot_role"] == "control") & (part["position"] == "open")]
         reference = dict(zip(opening["task"], opening["passed"].astype(bool)))
-        for (_, label), boot in part.groupby(["idx", "label"], sort=True):
-            if not opening.empty and boot["slot_id"].iloc[0] == opening["slot_id"].iloc[0]:
+        boots = part.groupby(["idx", "label"], sort=True)
+        alone = boots.ngroups == 1
+        for (_, label), boot in boots:
+            if not opening.empty and boot["slot_id"].iloc[0] == opening["slot_id"].iloc[0] and not alone:
                 continue
             outcome = dict(zip(boot["task"], boot["passed"].astype(bool)))
             row = {"window": window, "boot": label, "tasks": len(outcome), "passed": sum(outcome.values())}
-            if reference:
+            if alone:
+                row["note"] = "the only boot of its window with qeval items: nothing to pair it with"
+            elif reference:
                 counts = paired_counts(reference, outcome)
                 row.update({"control passed": sum(reference.values()), "broke": counts.broke, "fixed": counts.fixed,
                             "McNemar p (exact)": f"{counts.p_value:.3g}",

@@ -41,7 +41,7 @@ def create(store: Store, ladder_path: str | Path, boots: int, name: str | None,
     data = yaml.safe_load(text)
     first = ladder.windows[0]
     data["windows"] = [{"name": "AA", "control": first.control_name}]
-    data["repeats"] = boots - 1  # a window with no arms boots its control repeats + 1 times
+    data["repeats"] = boots  # a window with no arms boots its control `repeats` times
     data.setdefault("keep", {})["gates"] = []  # gates judge arms; there are none
     # A cold boot is no sample of warm noise: warm the caches once, unmeasured, with the control.
     data["hygiene"] = {**(data.get("hygiene") or {}), "warmup_boot": True}

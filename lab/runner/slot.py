@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +27,7 @@ from lab.runner.engine_control import ProcessControl
 from lab.runner.fingerprint import engine_version
 from lab.runner.hygiene import wait_for_memory
 from lab.runner.mem_sampler import MemSampler
+from lab.runner.neighbour import beside
 from lab.store import reader, writer
 from lab.store.db import Store
 from lab.store.records import Cell, StepResult
@@ -60,7 +61,18 @@ def log_path(rc: RunContext, slot: SlotRecord, attempt: int) -> Path:
 
 
 def run_slot(rc: RunContext, slot: SlotRecord) -> str:
-    """Boot and measure one slot; returns the boot's final status."""
+    """Boot and measure one slot; returns the boot's final status. A measured boot of a ladder with
+    `hygiene.neighbour` has that process beside it from before its engine starts until it ends, and
+    stores it in its fingerprint."""
+    neighbour = rc.ladder.hygiene.neighbour
+    if neighbour is None or slot.role == "warmup":
+        return _boot_slot(rc, slot)
+    path = log_path(rc, slot, len(slot.boots) + 1)
+    with beside(neighbour, path.with_name(f"{path.stem}-neighbour.log")) as record:
+        return _boot_slot(replace(rc, fingerprint={**rc.fingerprint, "neighbour": record}), slot)
+
+
+def _boot_slot(rc: RunContext, slot: SlotRecord) -> str:
     label = f"{slot.window or 'warm-up'} {slot.arm}" + (f" ({slot.position})" if slot.role == "control" else "")
     engine = rc.ladder.engine
     hygiene = rc.ladder.hygiene

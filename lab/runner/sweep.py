@@ -41,7 +41,7 @@ def create(store: Store, ladder_path: str | Path, label: str, control_only: bool
         data["windows"] = [{"name": w.name, "control": w.control_name} for w in ladder.windows]
         # The report heads with the description: it must not name arms this run leaves out.
         data["description"] = f"{ladder.description + ', ' if ladder.description else ''}controls only"
-        data["repeats"] = 1
+        data["repeats"] = 2  # a window with no arms boots its control `repeats` times: open and close
         data.setdefault("keep", {})["gates"] = []  # gates judge arms; there are none
         text = f"# {ladder.name} ({Path(ladder_path).name}), controls only, for `lab sweep`\n" + \
             yaml.safe_dump(data, sort_keys=False)
