@@ -13,9 +13,9 @@ import yaml
 from lab.ladder import render
 from lab.ladder.validate import parse_ladder
 from lab.store.db import Store
-from lab.store.study_storage import study_storage
+from lab.store.study_storage import has_studies, study_storage
 from lab.tune import ladders, warmup
-from lab.tune.budget import NOT_COUNTED
+from lab.tune.budget import counted
 from lab.tune.spec import Param, TuneFile
 from lab.tune.study import conflict, describe_sampler
 
@@ -27,12 +27,12 @@ def describe(tune: TuneFile, text: str, tune_path: str | Path, store: Store | No
     budget = trials or tune.budget.trials
     refusal = None
     state = f"a new study ({store_note})"
-    if store is not None and study_name in optuna.get_all_study_names(study_storage(store)):
+    if store is not None and has_studies(store) and study_name in optuna.get_all_study_names(study_storage(store)):
         study = optuna.load_study(study_name=study_name, storage=study_storage(store))
         refusal = conflict(study, tune, text, tune_path)
-        taken = [t for t in study.get_trials(deepcopy=False) if NOT_COUNTED not in t.user_attrs]
-        state = refusal or f"resumes: {len(taken)} of its {budget} trials taken"
-    ladder = parse_ladder(ladders.ladder_text(tune, yaml.safe_load(text), ladders.CONTROL, {}, {}), f"{tune_path} (base)")
+        state = refusal or f"resumes: {len(counted(study))} of its {budget} trials taken"
+    base_text = ladders.ladder_text(tune, yaml.safe_load(text), ladders.CONTROL, {}, {})
+    ladder = parse_ladder(base_text, f"{tune_path} (base)")
     base = render.plan(ladder).arms[0]
     warm, why = warmup.wanted(tune)
     lines = [f"tune file {tune_path}: valid; the base configuration {base.config_hash} passes every check `lab run` "

@@ -9,7 +9,7 @@ and budgets. Every trial and the confirmation are rendered into ordinary ladders
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from pydantic import Field, ValidationError, model_validator
 

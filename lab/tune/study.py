@@ -111,8 +111,9 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
     study = open_study(store, tune, text, study_name, tune_path)
     _fail_abandoned(store, study, tune.engine.stop_grace_s)
     warm, why = warmup.wanted(tune)
-    console.print(f"study {study_name}: {len(study_budget.counted(study))} of {budget} trials taken; {describe_sampler(tune, budget)}"
-                  f"; warm-up boot: {'on' if warm else 'off'} ({why})", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"study {study_name}: {len(study_budget.counted(study))} of {budget} trials taken; "
+                  f"{describe_sampler(tune, budget)}; warm-up boot: {'on' if warm else 'off'} ({why})",
+                  highlight=False, markup=False, soft_wrap=True)
     warmed = False  # an engine answered on this host in this process: caches are warm, a first boot is not
     last_failure: tuple[int, str] | None = None  # (trial, failure kind) of this process's latest boot, if it failed
     stopped = None
@@ -124,8 +125,8 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
             params = trial.params
             label = f"trial {trial.number} ({_shown(params)})"
             try:
-                run_row, ladder, plan = trial_run.run_trial(store, tune, data, study_name, trial.number, params, tune_path,
-                                                         runs_dir)
+                run_row, ladder, plan = trial_run.run_trial(store, tune, data, study_name, trial.number, params,
+                                                            tune_path, runs_dir)
             except LadderError as exc:  # the engine would refuse these values: a failed trial, not a failed study
                 reason = " ".join(exc.lines())
                 trial.set_user_attr("reason", reason)
@@ -136,7 +137,10 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
             trial.set_user_attr("run", run_row.name)
             writer.add_trial(store, study=study_name, number=trial.number, optuna_trial_id=trial._trial_id,
                              params=params, run_id=run_row.id)
-            status = lambda t, label=label: progress.update(task, description=f"{label}: {t}")  # noqa: E731
+
+            def status(text: str, label: str = label) -> None:
+                progress.update(task, description=f"{label}: {text}")
+
             try:
                 if warm and not warmed:
                     warmed = _warm_up(store, tune, data, study_name, trial.number, tune_path, runs_dir, progress,
@@ -146,39 +150,19 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
                 writer.set_run_status(store, run_row.id, "interrupted")
                 raise Interrupted(study_name) from None
             warmed = warmed or measured.booted
-            trial.set_user_attr("boot_id", measured.boot_id)
-            trial.set_user_attr(constraints.VIOLATIONS, measured.constraints)
-            trial.set_user_attr(constraints.FIGURES, measured.constraint_values)
-            if measured.cold:
-                trial.set_user_attr("cold", measured.cold)
-            if measured.values is not None:
-                for gate, value in zip(tune.constraints, measured.constraints):
-                    trial.set_constraint(constraints.key(gate), value)  # <= 0 feasible; the samplers learn from it
+            progress.console.print(_tell(store, study, tune, trial, measured), markup=False, highlight=False)
             if measured.values is None:
-                trial.set_user_attr("reason", measured.reason)
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                writer.finish_trial(store, study_name, trial.number, state="failed", boot_id=measured.boot_id,
-                                    reason=measured.reason)
-                progress.console.print(f"✗ {label}: {measured.reason}", markup=False, highlight=False)
                 kind = failure_kind(measured.reason or "")
                 if last_failure is not None and last_failure[1] == kind:
                     stopped = (f"trials {last_failure[0]} and {trial.number} failed the same way, so every trial "
                                f"would: {measured.reason}")
                     for number in (last_failure[0], trial.number):
-                        _set_attr(study, number, study_budget.NOT_COUNTED, "it stopped the study: two boots in a row failed "
-                                                              "the same way")
+                        study_budget.exclude(study, number, "it stopped the study: two boots in a row failed the "
+                                                            "same way")
                     break
                 last_failure = (trial.number, kind)
             else:
                 last_failure = None
-                study.tell(trial, measured.values)
-                writer.finish_trial(store, study_name, trial.number, state="complete", boot_id=measured.boot_id,
-                                    values=measured.values, constraints=measured.constraints)
-                broken = constraints.broken(tune.constraints, measured.constraint_values)
-                cold = f"; booted cold twice ({measured.cold}): its figures may be slow" if measured.cold else ""
-                progress.console.print(f"✓ {label}: {_shown_values(tune, measured.values)}"
-                                       f"{f' (infeasible: {broken})' if broken else ''}{cold}; best so far "
-                                       f"{_best(study, tune)}", markup=False, highlight=False)
             progress.update(task, completed=_finished(study))
         while stopped is None and not worker and (running := _running(study)):
             progress.update(task, completed=_finished(study),
@@ -187,6 +171,34 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
     states = [t.state for t in study.get_trials(deepcopy=False)]
     return StudyOutcome(study, states.count(optuna.trial.TrialState.COMPLETE),
                         states.count(optuna.trial.TrialState.FAIL), stopped)
+
+
+def _tell(store: Store, study: optuna.Study, tune: TuneFile, trial: optuna.Trial,
+          measured: trial_run.Measured) -> str:
+    """Record the trial's outcome in the study (for the sampler) and the store; the line that says it."""
+    label = f"trial {trial.number} ({_shown(trial.params)})"
+    trial.set_user_attr("boot_id", measured.boot_id)
+    trial.set_user_attr(constraints.VIOLATIONS, measured.constraints)
+    trial.set_user_attr(constraints.FIGURES, measured.constraint_values)
+    for key, value in (("cold", measured.cold), ("rebooted", measured.rebooted)):
+        if value:
+            trial.set_user_attr(key, value)
+    if measured.values is None:
+        trial.set_user_attr("reason", measured.reason)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        writer.finish_trial(store, study.study_name, trial.number, state="failed", boot_id=measured.boot_id,
+                            reason=measured.reason)
+        return f"✗ {label}: {measured.reason}"
+    for gate, value in zip(tune.constraints, measured.constraints):
+        trial.set_constraint(constraints.key(gate), value)  # <= 0 feasible; the sampler learns from it
+    study.tell(trial, measured.values)
+    writer.finish_trial(store, study.study_name, trial.number, state="complete", boot_id=measured.boot_id,
+                        values=measured.values, constraints=measured.constraints)
+    broken = constraints.broken(tune.constraints, measured.constraint_values)
+    cold = (f"; booted cold twice ({measured.cold}): its figures may be slow" if measured.cold else
+            f"; measured on a second boot, the first was {measured.rebooted}" if measured.rebooted else "")
+    return (f"✓ {label}: {_shown_values(tune, measured.values)}{f' (infeasible: {broken})' if broken else ''}{cold}; "
+            f"best so far {_best(study, tune)}")
 
 
 def _warm_up(store: Store, tune: TuneFile, data: dict[str, Any], study: str, number: int, tune_path: str | Path,
@@ -216,8 +228,9 @@ def failure_kind(reason: str) -> str:
 
 def describe_sampler(tune: TuneFile, budget: int) -> str:
     startup = startup_trials(budget)
-    return (f"TPE (seed {tune.seed}) draws the first {startup} measured trial{'s' if startup > 1 else ''} at random, "
-            f"then each from a model of the trials so far" + (" and their constraints" if tune.constraints else ""))
+    first = f"first {startup} measured trials" if startup > 1 else "first measured trial"
+    return (f"TPE (seed {tune.seed}) draws the {first} at random, then each from a model of the trials so far"
+            + (" and their constraints" if tune.constraints else ""))
 
 
 def startup_trials(budget: int) -> int:
@@ -278,8 +291,7 @@ def _fail_abandoned(store: Store, study: optuna.Study, grace_s: float) -> None:
             if booted:
                 study._storage.set_trial_user_attr(frozen._trial_id, "boot_id", booted[-1].id)
         study._storage.set_trial_user_attr(frozen._trial_id, "reason", "interrupted: lab tune was killed")
-        study._storage.set_trial_user_attr(frozen._trial_id, study_budget.NOT_COUNTED, "abandoned: the lab tune measuring it "
-                                                                          "was killed")
+        study_budget.exclude(study, frozen.number, "abandoned: the lab tune measuring it was killed")
         study._storage.set_trial_state_values(frozen._trial_id, optuna.trial.TrialState.FAIL)
         log.warning("trial %d was left running by a lab tune that is gone: failed", frozen.number)
 
@@ -293,11 +305,6 @@ def _alive(pid: int, started: float | None) -> bool:
 
 def _finished(study: optuna.Study) -> int:
     return sum(t.state.is_finished() for t in study_budget.counted(study))
-
-
-def _set_attr(study: optuna.Study, number: int, key: str, value: Any) -> None:
-    frozen = study.get_trials(deepcopy=False)[number]
-    study._storage.set_trial_user_attr(frozen._trial_id, key, value)
 
 
 def _out_of_time(study: optuna.Study, tune: TuneFile) -> bool:

@@ -44,6 +44,7 @@ class Measured:
     constraint_values: list[float | None]  # one per constraint: the measured figure
     reason: str | None  # why there are no values
     cold: str | None = None  # why the measured boot is cold, when booting again left it cold too
+    rebooted: str | None = None  # why the first boot was cold, when the trial was booted again
     booted: bool = False  # an engine answered (on this host: the next boot is not its first)
 
 
@@ -103,8 +104,10 @@ def boot(store: Store, tune: TuneFile, run: RunRecord, ladder: Ladder, plan: ren
     [slot] = reader.slots(store, run.id)
     outcome = run_slot(rc, slot)
     last = _last_boot(store, run.id)
+    rebooted = None
     if outcome == "done" and last is not None and last.cold:
-        log.info("%s booted cold (%s): booting it again", run.name, last.reason)
+        rebooted = last.reason or "cold"
+        log.info("%s booted cold (%s): booting it again", run.name, rebooted)
         again = render.plan(ladder).slots[1]  # the window's closing control: the same configuration
         writer.add_slot(store, run.id, again)
         rc.engine_warmed = True
@@ -117,7 +120,7 @@ def boot(store: Store, tune: TuneFile, run: RunRecord, ladder: Ladder, plan: ren
         tail = (last.log_tail or "").strip().splitlines()[-5:] if last else []
         reason = f"boot {outcome}: {last.reason if last else 'never started'}"
         return Measured(run, boot_id, None, [], [], reason + ("; log tail: " + " | ".join(tail) if tail else ""),
-                        booted=booted)
+                        rebooted=rebooted, booted=booted)
     evidence = verdicts.load(store, run.id)
     [measured] = [s for s in evidence.slots if s.id == last.slot_id]
     values, missing = [], []
@@ -139,8 +142,8 @@ def boot(store: Store, tune: TuneFile, run: RunRecord, ladder: Ladder, plan: ren
     if missing:
         return Measured(run, boot_id, None, constraints, figures, f"no valid value for {', '.join(missing)} "
                                                                   f"(`lab ls {run.name}` shows the boot)",
-                        cold, booted)
-    return Measured(run, boot_id, values, constraints, figures, None, cold, booted)
+                        cold, rebooted, booted)
+    return Measured(run, boot_id, values, constraints, figures, None, cold, rebooted, booted)
 
 
 def _context(store: Store, run: RunRecord, ladder: Ladder, plan: render.Plan, engine_warmed: bool,

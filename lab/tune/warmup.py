@@ -19,9 +19,9 @@ from lab.tune.spec import TuneFile
 def wanted(tune: TuneFile) -> tuple[bool, str]:
     """(warm up?, why), the why as a person reads it after "warm-up boot: on/off ("."""
     if tune.hygiene.warmup_boot is not None:
-        return tune.hygiene.warmup_boot, "hygiene.warmup_boot"
-    kind = kind_of(tune.engine)
-    device = kind.config(dict(tune.engine.flags), {k: env_value(v) for k, v in tune.engine.env.items()})[0].get("device")
+        return tune.hygiene.warmup_boot, f"hygiene.warmup_boot: {str(tune.hygiene.warmup_boot).lower()}"
+    env = {k: env_value(v) for k, v in tune.engine.env.items()}
+    device = kind_of(tune.engine).config(dict(tune.engine.flags), env)[0].get("device")
     if device == "cuda":
         return True, "the engine runs on CUDA"
     if device == "cpu":
