@@ -246,6 +246,20 @@ def test_a_changed_tune_file_says_how_to_resume_or_start_afresh(tuned, capsys: p
     assert "study quicktest-2: a new study" in capsys.readouterr().out
 
 
+def test_the_warm_up_boot_is_on_by_default_where_the_engine_runs_on_cuda(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    text = textwrap.dedent(TUNE)
+    for device, said in (("cuda", "on (the engine runs on CUDA)"), ("cpu", "off (the engine runs on the CPU")):
+        (tmp_path / "t.yaml").write_text(text.replace("device: cpu", f"device: {device}"))
+        assert lab_main(["tune", "t.yaml", "--dry-run"]) == 0  # boots nothing, so a CUDA tune is checked anywhere
+        assert f"warm-up boot: {said}" in capsys.readouterr().out
+    (tmp_path / "t.yaml").write_text(text + "hygiene: {warmup_boot: true}\n")
+    assert lab_main(["tune", "t.yaml", "--dry-run"]) == 0
+    assert "warm-up boot: on (hygiene.warmup_boot: true)" in capsys.readouterr().out
+
+
 def test_the_published_schema_is_current_and_the_example_tune_file_is_valid() -> None:
     import json
 
