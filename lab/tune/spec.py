@@ -3,7 +3,9 @@
 A tune file is a ladder without windows: the engine, instruments and hygiene are a ladder's, and
 instead of arms it has a search space, objectives (key metrics, with `where`), constraints (gates)
 and budgets. Every trial and the confirmation are rendered into ordinary ladders, which
-`lab.ladder.validate` checks again; this module refuses what can be told from the file alone.
+`lab.ladder.validate` checks again. `parse_tune` refuses what can be told from the file alone (a
+stored one, read back on any host); `load_tune`, for a tune about to run, also checks its base
+configuration as `lab run` checks a ladder (`lab.tune.ladders.problems`), at the file's lines.
 """
 
 from __future__ import annotations
@@ -106,9 +108,9 @@ def json_schema() -> dict[str, Any]:
     return schema
 
 
-def load_tune(path: str | Path, host: runnable.Host | None = None) -> tuple[TuneFile, str]:
+def load_tune(path: str | Path) -> tuple[TuneFile, str]:
     """The validated tune file and its text, its base configuration checked as `lab run` checks a
-    ladder about to run on `host` (this one when not given); raises LadderError (file:line: reason)."""
+    ladder about to run on this host; raises LadderError (file:line: reason)."""
     label = str(path)
     try:
         raw = Path(path).read_bytes()[:MAX_BYTES + 1]
@@ -118,7 +120,7 @@ def load_tune(path: str | Path, host: runnable.Host | None = None) -> tuple[Tune
     except UnicodeDecodeError:
         raise LadderError(label, [Problem(0, "not UTF-8 text; save the file as UTF-8")]) from None
     tune, located = _parse(text, label)
-    problems = ladders.problems(tune, located, host or runnable.Host.this())
+    problems = ladders.problems(tune, located, runnable.Host.this())
     if problems:
         raise LadderError(label, problems)
     return tune, text
