@@ -367,7 +367,12 @@ def _print_history(out, history) -> None:  # rich Console, lab.report.history.Hi
 def _tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("tune", nargs="?", metavar="TUNE.yaml", help="the tune file: engine, space, objectives, "
                                                                       "constraints, budget")
-    parser.add_argument("--name", help="the study's name (default: the tune file's name); run again to resume it")
+    parser.add_argument("--name", help="the study's name (default: the tune file's name); run again to resume it, or "
+                                       "give a new name to start afresh beside it")
+    parser.add_argument("--trials", type=_positive_int, metavar="N",
+                        help="the study's trial budget (default: the file's budget.trials); raise it later to go on")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the tune file as `lab tune` does and print what the study would do; boot nothing")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
     parser.add_argument("--schema", action="store_true", help="print the tune file JSON Schema and exit")
     parser.add_argument("--worker", action="store_true",
@@ -376,6 +381,20 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", "--storage", dest="db", default=DEFAULT_DB, metavar="PATH|URL",
                         help="the store holding the study and the boots: a SQLite file, or postgresql://user@host/db "
                              f"shared by several hosts (default: ./{DEFAULT_DB})")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+# `lab tune` decided that no candidate beats the base configuration: a result, not an error.
+EXIT_BASE_STAYS = 3
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -392,26 +411,60 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("give TUNE.yaml (or --schema)")
     console = _console()
     tune, text = load_tune(args.tune)
+    if args.dry_run:
+        return _tune_dry_run(args, tune, text)
     store = open_store(args.db)
     try:
-        outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker)
-        console.print(f"study {outcome.study.study_name}: {outcome.complete} trials measured, {outcome.failed} "
-                      "failed", highlight=False)
+        outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker,
+                            trials=args.trials)
+        name = outcome.study.study_name
+        console.print(f"study {name}: {outcome.complete} trials measured, {outcome.failed} failed", highlight=False)
+        if outcome.stopped:
+            _error(f"study {name} stopped: {outcome.stopped}. Fix that, then run the same `lab tune` again: the "
+                   "study goes on, and these two trials do not spend its budget")
+            return 1
         if args.worker:
             console.print("the budget is spent; a plain `lab tune` on the same store confirms the best trials",
                           highlight=False)
             return 0
+        if not outcome.complete:
+            _error(f"study {name}: no trial was measured; `lab report --study {name}` lists why each failed")
+            return 1
         result = confirm.confirm(store, outcome.study, tune, text, args.tune, args.runs_dir, console)
     finally:
         store.close()
     if result is None:
-        _error(f"study {outcome.study.study_name}: no feasible trial differs from the base; nothing to confirm")
-        return 1
+        _error(f"study {name}: the base stays: no feasible trial differs from it, so there is nothing to confirm "
+               f"(exit status {EXIT_BASE_STAYS}); `lab report --study {name}` shows each trial's constraints")
+        return EXIT_BASE_STAYS
     _print_confirmation(_console(stdout=True), tune, result)
-    console.print(f"`lab report --study {outcome.study.study_name}` writes the study's report (history, "
-                  "importances, Pareto front, confirmation)", highlight=False, markup=False)
+    console.print(f"`lab report --study {name}` writes the study's report (history, importances, Pareto front, "
+                  "trials with their constraints, confirmation)", highlight=False, markup=False)
     if result.winner is None:
-        _error(f"no candidate was kept by the confirmation ({result.run}); the base stays")
+        _error(f"the base stays: the confirmation ({result.run}) {result.why} (exit status {EXIT_BASE_STAYS})")
+        return EXIT_BASE_STAYS
+    return 0
+
+
+def _tune_dry_run(args: argparse.Namespace, tune, text: str) -> int:  # tune: lab.tune.spec.TuneFile
+    from lab.store.db import StoreError, open_store
+    from lab.tune.preview import describe
+
+    try:
+        store = open_store(args.db, read_only=True)
+        note = f"store {args.db}"
+    except StoreError as exc:
+        store, note = None, f"{exc}".split(";")[0]
+    try:
+        lines, refusal = describe(tune, text, args.tune, store, note, args.name, args.trials)
+    finally:
+        if store is not None:
+            store.close()
+    out = _console(stdout=True)
+    for line in lines:
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+    if refusal:
+        _error(refusal)
         return 1
     return 0
 
@@ -429,13 +482,14 @@ def _print_confirmation(out, tune, result) -> None:  # rich Console, TuneFile, l
     out.print(table)
     if result.winner:
         w = result.winner
-        out.print(f"winner: {w.arm} (trial {w.trial}), kept by the confirmation; serve it with "
-                  f"`lab serve --best {result.run} --arm {w.arm}`", highlight=False, markup=False)
+        out.print(f"winner: {w.arm} (trial {w.trial}), kept by the confirmation ({result.why}); serve it with "
+                  f"`lab serve --best {result.run}`", highlight=False, markup=False)
 
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--best", required=True, metavar="RUN",
-                        help="the run (name, id, or ladder name for its latest run) whose kept arm to serve")
+                        help="the run (name, id, or ladder name for its latest run) whose winner to serve: its kept "
+                             "arm, or the best of several (the rule `lab tune` names its winner by)")
     parser.add_argument("--arm", metavar="NAME", help="serve this arm (or control) whatever its verdict")
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address of the bundled engine (default: 127.0.0.1); a command engine binds "
@@ -461,6 +515,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     out.print(f"arm {chosen.arm} of run {chosen.run} (window {chosen.window}): {chosen.decision} ({chosen.reason})",
               highlight=False, markup=False)
+    out.print(f"why this arm: {chosen.picked}", highlight=False, markup=False)
     out.print(f"config hash {chosen.config_hash}", highlight=False)
     out.print(f"command: {chosen.shell_line()}", highlight=False, markup=False, soft_wrap=True)
     sys.stdout.flush()
@@ -498,7 +553,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                 cmd_history),
     "tune": ("search engine settings with Optuna, one stored boot per trial, then confirm the best few against "
              "warm controls by the KEEP rule", _tune_args, cmd_tune),
-    "serve": ("serve the arm a run's KEEP rule kept, exactly as it was measured (`--print`: show the command)",
+    "serve": ("serve the arm a run's KEEP rule kept (the best of several), exactly as it was measured (`--print`: "
+              "show the command)",
               _serve_args, cmd_serve),
     "engine": ("the bundled engine: `lab engine serve [flags]`", _engine_args, cmd_engine),
 }

@@ -52,6 +52,9 @@ class RunContext:
     fingerprint: dict[str, Any]
     instruments: dict[str, Instrument]
     status: Callable[[str], None] = field(default=lambda text: None)
+    # An engine already answered on this host before this run's first boot (a tune's warm-up or
+    # earlier trial, each a run of its own): its first boot is then not taken as cold by default.
+    engine_warmed: bool = False
 
 
 def log_path(rc: RunContext, slot: SlotRecord, attempt: int) -> Path:
@@ -164,7 +167,7 @@ def _check(rc: RunContext, proc: engine_boot.EngineProcess,
            spec: Launch) -> tuple[str | None, dict[str, Any] | None, bool]:
     """(refusal reason or None, engine stats, cold) for a boot that just answered its first completion."""
     booted = kind_of(rc.ladder.engine).check_booted(lambda url: proc.get_json(url, spec.api_key), spec,
-                                                    reader.any_ready_boot(rc.store, rc.run_id))
+                                                    rc.engine_warmed or reader.any_ready_boot(rc.store, rc.run_id))
     return booted.refusal, booted.stats, booted.cold
 
 

@@ -4,6 +4,7 @@ study's trials beside the boots that measured them."""
 from __future__ import annotations
 
 import optuna
+from sqlalchemy import inspect
 
 from lab.store.db import Store
 
@@ -20,3 +21,9 @@ def study_storage(store: Store) -> optuna.storages.RDBStorage:
             return optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True})
     # The lab writes to the same SQLite file between Optuna's writes: wait for its lock, not fail.
     return optuna.storages.RDBStorage(store.url, engine_kwargs={"connect_args": {"timeout": 30}})
+
+
+def has_studies(store: Store) -> bool:
+    """Whether Optuna's tables are in the store (a store only `lab run` wrote has none, and a reader
+    may not create them)."""
+    return inspect(store.engine).has_table("studies")

@@ -17,7 +17,7 @@ from sqlalchemy import delete, select
 from lab.store import models as m
 from lab.store.db import Store
 from lab.store.records import Step as PlannedStep
-from lab.store.records import RECEIPT_FIELDS, RunPlan, StepResult
+from lab.store.records import RECEIPT_FIELDS, PlannedSlot, RunPlan, StepResult
 
 
 def now() -> datetime:
@@ -49,6 +49,14 @@ def create_run(store: Store, *, name: str, ladder_name: str, ladder_path: str, l
             s.add(m.Slot(run_id=run.id, idx=slot.idx, arm_id=arm_ids[slot.arm], role=slot.role,
                          position=slot.position, window=slot.window, status="pending"))
         return run.id
+
+
+def add_slot(store: Store, run_id: int, slot: PlannedSlot) -> None:
+    """One more planned slot of a run's arm (a tune trial booted again after a cold boot)."""
+    with store.session() as s, s.begin():
+        arm_id = s.scalars(select(m.Arm.id).where(m.Arm.run_id == run_id, m.Arm.name == slot.arm)).one()
+        s.add(m.Slot(run_id=run_id, idx=slot.idx, arm_id=arm_id, role=slot.role, position=slot.position,
+                     window=slot.window, status="pending"))
 
 
 def claim_run(store: Store, run_id: int, pid: int, started: float | None) -> None:
