@@ -63,7 +63,8 @@ def test_single_values_carry_no_interval(store) -> None:
     row = comparison.rows[0]
     assert row.a == 1005.0 and row.noise_band_pct == {"W1": pytest.approx(10 / 1005 * 100)}
     assert row.statistics.test == "none"
-    assert row.statistics.text == "n 2 vs 1: no interval (needs ≥ 2 samples per side)"
+    assert row.statistics.text == ("2 vs 1 boots give a difference, not an interval: 3 or more a side, or a "
+                                   "calibration (`lab calibrate`), give one")
     assert comparison.verdicts["C0ctl"] is None and comparison.verdicts["A1"]["decision"] == "keep"
 
 
