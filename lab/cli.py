@@ -18,7 +18,8 @@ DEFAULT_DB = "lab.db"
 def _db_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH|URL",
                         help="the store: a SQLite file (commands that only read also take one compressed with xz, "
-                             f"X.db.xz) or any SQLAlchemy URL (default: ./{DEFAULT_DB})")
+                             "X.db.xz) or a PostgreSQL URL, postgresql://user:password@host/db (printed with its "
+                             f"password masked) (default: ./{DEFAULT_DB})")
 
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from lab.ladder.validate import load_ladder
     from lab.report.listing import print_plan
     from lab.runner.run import create, execute, resume
-    from lab.store.db import open_store
+    from lab.store.db import open_store, shown
 
     console = _console()
     if bool(args.ladder) == bool(args.resume):
@@ -72,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     store = open_store(args.db)
     try:
         run = resume(store, args.resume) if args.resume else create(store, args.ladder, args.name, args.runs_dir)
-        console.print(f"run [bold]{run.name}[/] (id {run.id}) → {args.db}; boot logs in {run.logs_dir}")
+        console.print(f"run [bold]{run.name}[/] (id {run.id}) → {shown(args.db)}; boot logs in {run.logs_dir}")
         outcome = execute(store, run, console, args.time_budget)
         missing = key_figure_missing(store, outcome.run_id) if outcome.boots and not outcome.out_of_time else None
     finally:
@@ -107,7 +108,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from lab.runner import calibrate
     from lab.runner.errors import Interrupted
     from lab.runner.run import execute
-    from lab.store.db import open_store
+    from lab.store.db import open_store, shown
 
     console = _console()
     store = open_store(args.db)
@@ -116,7 +117,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             run, repeats = calibrate.create(store, args.ladder, args.boots, args.name, args.runs_dir)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {args.db}")
+        console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {shown(args.db)}")
         try:
             execute(store, run, console)
             interrupted = False
