@@ -217,6 +217,7 @@ def _open_read_only(target: str, url: str) -> Store:
         store = _sqlite_read_only(path) if path is not None else Store(url, read_only=True, target=target)
     except Exception as exc:  # a bad URL, a missing driver, no permission to read
         raise _cannot_open(target, exc) from None
+    store.shown = shown(target)  # the file as given, not the read-only URI it is opened through
     try:
         _check_read_only_schema(store, shown(target))
     except StoreError:
