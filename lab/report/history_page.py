@@ -19,6 +19,11 @@ from lab.report.history import History, MetricHistory
 REGRESSION, IMPROVEMENT, LEVEL, BASE = "#d62728", "#2ca02c", "#1f77b4", "#7f7f7f"
 
 
+def _text(text: str) -> str:
+    """Text as HTML element content (an apostrophe stays one)."""
+    return html.escape(text, quote=False)
+
+
 def folder_name(series: str) -> str:
     """The page's folder in the reports folder, beside the runs' reports, which link to it."""
     return "history-" + re.sub(r"[^A-Za-z0-9._-]+", "_", series)
@@ -29,24 +34,24 @@ def write(history: History, out: str | Path) -> Path:
     folder = Path(out) / folder_name(history.series)
     folder.mkdir(parents=True, exist_ok=True)
     labels = history.labels
-    parts = [f"<h1>History of {html.escape(history.series)}</h1>",
-             f"<p>{len(labels)} labels ({html.escape(labels[0])} … {html.escape(labels[-1])}). Each point is the "
+    parts = [f"<h1>History of {_text(history.series)}</h1>",
+             f"<p>{len(labels)} labels ({_text(labels[0])} … {_text(labels[-1])}). Each point is the "
              f"median of a label's warm control boots; the bar spans its boots. A step is a level change beyond the "
              f"KEEP threshold ({history.threshold_pct:g} %) and the noise band that persists over the next labels "
              f"(see <code>lab/analysis/steps.py</code>); a lone departure is an outlier. Labels under different base "
              f"configs are not compared.</p>",
              "<h2>What this series detects</h2><p>Under its current base, from the noise the gate uses:</p><ul>"
-             + "".join(f"<li>{html.escape(line)}</li>" for line in history.detectable()) + "</ul>"]
+             + "".join(f"<li>{_text(line)}</li>" for line in history.detectable()) + "</ul>"]
     if history.base_changes():
-        parts.append("<h2>Base changes</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>"
+        parts.append("<h2>Base changes</h2><ul>" + "".join(f"<li>{_text(line)}</li>"
                                                           for line in history.base_changes()) + "</ul>")
     check = history.check()
     found = check.regressions or ["No metric's latest level is a regression."]
-    parts.append(f"<h2>Check</h2><p>{html.escape(check.summary)} (<code>lab history --check</code> exit status "
+    parts.append(f"<h2>Check</h2><p>{_text(check.summary)} (<code>lab history --check</code> exit status "
                  f"{int(check.outcome)}: {check.outcome.name.lower().replace('_', ' ')})</p><p>"
-                 + "<br>".join(html.escape(r) for r in found + check.warnings) + "</p>")
+                 + "<br>".join(_text(r) for r in found + check.warnings) + "</p>")
     for mh in history.metrics:
-        parts.append(f"<h2>{html.escape(mh.metric)}</h2>")
+        parts.append(f"<h2>{_text(mh.metric)}</h2>")
         if not any(seg.comparable for seg in mh.segments):
             parts.append('<p class="note">fewer than two labels with a value under one base: nothing to compare</p>')
         for seg in mh.segments:
@@ -54,18 +59,18 @@ def write(history: History, out: str | Path) -> Path:
                 continue
             a = seg.analysis
             seg_labels = [p.label for p in seg.points]
-            under = (f"labels {html.escape(seg_labels[0])} … {html.escape(seg_labels[-1])}: "
+            under = (f"labels {_text(seg_labels[0])} … {_text(seg_labels[-1])}: "
                      if len(mh.segments) > 1 else "")
             sigma = f"{a.sigma_pct:.2f} %" if a.sigma_pct is not None else "not estimated (under 3 differences)"
             parts.append(f"<p>{under}noise: one label's robust SD {sigma}; band ±{a.band_pct:.2f} %; a departure "
                          f"must exceed ±{a.limit_pct:.2f} %</p>")
             if a.steps:
-                parts.append("<ul>" + "".join(f"<li>{html.escape(s.describe(seg_labels, mh.unit, a.limit_pct))}</li>"
+                parts.append("<ul>" + "".join(f"<li>{_text(s.describe(seg_labels, mh.unit, a.limit_pct))}</li>"
                                               for s in a.steps) + "</ul>")
         if mh.used:
             parts.append(f'<img alt="{html.escape(mh.metric)}" src="data:image/png;base64,{_plot(history, mh)}">')
         parts.append(_table(history, mh))
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(history.series)}</title>"
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{_text(history.series)}</title>"
             f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
     path = folder / "index.html"
     path.write_text(page)
@@ -95,10 +100,10 @@ def _table(history: History, mh: MetricHistory) -> str:
         drift = f"{p.drift_pct:.2f}" if p.drift_pct is not None else ""
         base = history.bases[p.base]
         new = f" (new: {base.change})" if p.base and base.label == p.label else ""
-        rows.append(f"<tr><td>{html.escape(p.label)}</td><td>{html.escape(p.run)}</td><td>{value}</td>"
-                    f"<td>{boots}</td><td>{drift}</td><td>{html.escape(base.config_hash[:8] + new)}</td>"
+        rows.append(f"<tr><td>{_text(p.label)}</td><td>{_text(p.run)}</td><td>{value}</td>"
+                    f"<td>{boots}</td><td>{drift}</td><td>{_text(base.config_hash[:8] + new)}</td>"
                     f"<td>{marks.get(id(p), '')}</td></tr>")
-    return (f"<table><tr><th>label</th><th>run</th><th>{html.escape(mh.unit)}</th><th>control boots</th>"
+    return (f"<table><tr><th>label</th><th>run</th><th>{_text(mh.unit)}</th><th>control boots</th>"
             f"<th>controls' drift %</th><th>base</th><th>step</th></tr>{''.join(rows)}</table>")
 
 
