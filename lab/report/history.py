@@ -176,7 +176,7 @@ class History:
                              f"({base.change}); nothing under it to compare with yet, the gate compares again from "
                              "the next label", [], [])
             return Check(Outcome.NO_DATA, f"series {self.series}: no metric has 2 labels with a value{since} "
-                         f"({len(under)} label(s)); nothing to compare yet", [], warnings)
+                         f"({len(under)} label(s)); nothing to compare yet", [], [])
         return Check(Outcome.OK, f"series {self.series}: no regression in {len(compared)} metric(s) over "
                                  f"{len(under)} labels ({under[0]} … {under[-1]}){since}", [], warnings)
 
