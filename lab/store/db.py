@@ -101,10 +101,12 @@ class Store:
         """A database server that refuses the connection or drops it (stopped, unplugged, a wrong
         password) ends the command with one line naming the store without its password, not with a
         driver's traceback."""
-        if context.is_disconnect or context.connection is None:
-            reason = scrubbed(f"{context.original_exception.__class__.__name__}: {context.original_exception}",
-                              self.url)
-            raise StoreError(f"cannot reach the store {self.shown}: {reason.splitlines()[0]}")
+        reason = scrubbed(f"{context.original_exception.__class__.__name__}: {context.original_exception}",
+                          self.url).splitlines()[0]
+        if context.connection is None:  # no connection could be made
+            raise StoreError(f"cannot open store {self.shown}: {reason}")
+        if context.is_disconnect:
+            raise StoreError(f"the store {self.shown} dropped the connection: {reason}")
 
     def close(self) -> None:
         self.engine.dispose()
