@@ -19,7 +19,8 @@ DEFAULT_DB = "lab.db"
 def _db_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH|URL",
                         help="the store: a SQLite file (commands that only read also take one compressed with xz, "
-                             f"X.db.xz) or any SQLAlchemy URL (default: ./{DEFAULT_DB})")
+                             "X.db.xz) or a PostgreSQL URL, postgresql://user:password@host/db (printed with its "
+                             f"password masked) (default: ./{DEFAULT_DB})")
 
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from lab.ladder.validate import load_ladder
     from lab.report.listing import print_plan
     from lab.runner.run import create, execute, resume
-    from lab.store.db import open_store
+    from lab.store.db import open_store, shown
 
     console = _console()
     if bool(args.ladder) == bool(args.resume):
@@ -79,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     store = open_store(args.db)
     try:
         run = resume(store, args.resume) if args.resume else create(store, args.ladder, args.name, args.runs_dir)
-        console.print(f"run [bold]{run.name}[/] (id {run.id}) → {args.db}; boot logs in {run.logs_dir}")
+        console.print(f"run [bold]{run.name}[/] (id {run.id}) → {shown(args.db)}; boot logs in {run.logs_dir}")
         outcome = execute(store, run, console, args.time_budget)
         missing = key_figure_missing(store, outcome.run_id) if outcome.boots and not outcome.out_of_time else None
     finally:
@@ -114,7 +115,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from lab.runner import calibrate
     from lab.runner.errors import Interrupted
     from lab.runner.run import execute
-    from lab.store.db import open_store
+    from lab.store.db import open_store, shown
 
     console = _console()
     store = open_store(args.db)
@@ -123,7 +124,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             run, repeats = calibrate.create(store, args.ladder, args.boots, args.name, args.runs_dir)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {args.db}")
+        console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {shown(args.db)}")
         try:
             execute(store, run, console)
             interrupted = False
@@ -302,28 +303,41 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _history_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("series", nargs="?", metavar="SERIES",
-                        help="a series name, or a ladder name with one series; none: list the series")
+                        help="a series name (<ladder>@<host>), or a ladder name with one series; none: list the series")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 when a metric's latest level is a confirmed regression (for cron or CI)")
+                        help="gate on the latest label (for cron or CI); exit status 1: a confirmed regression, "
+                             "2: the gate cannot run (unknown or ambiguous series, bad arguments, unreadable store), "
+                             "3: nothing to compare yet, 4: the latest label ran a new base config")
     parser.add_argument("--html", metavar="DIR", help="also write DIR/history-<series>/index.html")
     _db_arg(parser)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from lab.report.history import load, resolve
+    from lab.report.history import Outcome, load, resolve
     from lab.store import reader
-    from lab.store.db import open_store
+    from lab.store.db import StoreError, open_store
 
     out = _console(stdout=True)
-    store = open_store(args.db, read_only=True)
+    try:
+        store = open_store(args.db, read_only=True)
+    except StoreError as exc:
+        _error(str(exc))
+        return Outcome.BROKEN
     try:
         if args.series is None:
+            if args.check:
+                _error("--check needs a SERIES (or a ladder name with one series); `lab history` lists them")
+                return Outcome.BROKEN
             points = reader.series_points(store)
             for series in dict.fromkeys(p.series for p in points):
                 labels = [p.label for p in points if p.series == series]
                 out.print(f"{series}: {len(labels)} labels, {labels[0]} … {labels[-1]}", highlight=False)
             return 0
-        history = load(store, resolve(store, args.series))
+        try:
+            history = load(store, resolve(store, args.series))
+        except LookupError as exc:
+            _error(str(exc))
+            return Outcome.BROKEN
     finally:
         store.close()
     _print_history(out, history)
@@ -333,35 +347,53 @@ def cmd_history(args: argparse.Namespace) -> int:
         out.print(f"history page written to {write(history, args.html)}", highlight=False)
     if not args.check:
         return 0
-    for line in history.pending():
+    check = history.check()
+    for line in check.warnings:
         _error(f"warning: {line}")
-    regressions = history.regressions()
-    for line in regressions:
+    for line in check.regressions:
         _error(f"regression: {line}")
-    return 1 if regressions else 0
+    _error(f"check: {check.summary} (exit status {int(check.outcome)}: {check.outcome.name.lower().replace('_', ' ')})")
+    return int(check.outcome)
 
 
 def _print_history(out, history) -> None:  # rich Console, lab.report.history.History
     from rich.table import Table
 
-    out.print(f"series {history.series} (KEEP threshold {history.threshold_pct:g} %)", highlight=False)
+    labels = history.labels
+    out.print(f"series {history.series}: {len(labels)} labels ({labels[0]} … {labels[-1]}), KEEP threshold "
+              f"{history.threshold_pct:g} %", highlight=False, markup=False)
+    for line in history.base_changes():
+        out.print(f"{line}; labels under different bases are not compared", highlight=False, markup=False)
+    out.print("what this series detects under its current base (the noise the gate uses):", highlight=False)
+    for line in history.detectable():
+        out.print(f"  {line}", highlight=False, markup=False)
     for mh in history.metrics:
-        table = Table("label", "run", mh.unit or "value", "control boots", "drift %", title=mh.metric)
+        table = Table("label", "run", mh.unit or "value", "control boots", "drift %", "base", title=mh.metric)
         for p in mh.points:
+            base = history.bases[p.base]
             table.add_row(p.label, p.run, f"{p.value:.4g}" if p.value is not None else "-",
                           ", ".join(f"{v:.4g}" for v in p.boots),
-                          f"{p.drift_pct:.2f}" if p.drift_pct is not None else "")
+                          f"{p.drift_pct:.2f}" if p.drift_pct is not None else "",
+                          base.config_hash[:8] + (" (new)" if base.label == p.label and p.base else ""))
         out.print(table)
-        a = mh.analysis
-        if a is None:
-            out.print("  fewer than two labels with a value: nothing to compare", highlight=False)
-            continue
-        labels = [p.label for p in mh.used]
-        out.print(f"  a departure must exceed ±{a.limit_pct:.2f} % (noise band ±{a.band_pct:.2f} %)", highlight=False)
-        for step in a.steps:
-            out.print(f"  step: {step.describe(labels, mh.unit, a.limit_pct)}", highlight=False, markup=False)
-        for i in a.outliers:
-            out.print(f"  outlier: label {labels[i]} (not a step: the next label is back)", highlight=False)
+        for seg in mh.segments:
+            a = seg.analysis
+            if a is None:
+                continue
+            labels = [p.label for p in seg.points]
+            under = f"labels {labels[0]} … {labels[-1]}: " if len(mh.segments) > 1 else ""
+            if not seg.comparable:
+                out.print(f"  {under}one label with a value: nothing to compare", highlight=False, markup=False)
+                continue
+            out.print(f"  {under}a departure must exceed ±{a.limit_pct:.2f} % (noise band ±{a.band_pct:.2f} %)",
+                      highlight=False, markup=False)
+            for step in a.steps:
+                out.print(f"  step: {step.describe(labels, mh.unit, a.limit_pct)}", highlight=False, markup=False)
+            for i in a.outliers:
+                out.print(f"  outlier: label {labels[i]} (not a step: the next label is back)", highlight=False,
+                          markup=False)
+        if not mh.segments:
+            out.print("  no label with a value: nothing to compare", highlight=False)
 
 
 def _tune_args(parser: argparse.ArgumentParser) -> None:
@@ -549,8 +581,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "schema": ("print the ladder JSON Schema (for editor completion)", _schema_args, cmd_schema),
     "sweep": ("run a ladder (or its controls) and file it under its series with a label, for `lab history`",
               _sweep_args, cmd_sweep),
-    "history": ("a series' KEEP metrics across labels with steps; --check fails on a regression", _history_args,
-                cmd_history),
+    "history": ("a series' KEEP metrics across labels with steps and what it can detect; --check gates on the "
+                "latest label", _history_args, cmd_history),
     "tune": ("search engine settings with Optuna, one stored boot per trial, then confirm the best few against "
              "warm controls by the KEEP rule", _tune_args, cmd_tune),
     "serve": ("serve the arm a run's KEEP rule kept (the best of several), exactly as it was measured (`--print`: "

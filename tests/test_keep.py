@@ -296,7 +296,7 @@ def test_single_values_carry_no_ci() -> None:
 
 def test_verdict_to_dict_is_plain_json() -> None:
     verdict = judge(rule(DECODE, TTFT, gates=("qeval",)),
-                    window({DECODE.name: [110.0, 111.0], TTFT.name: 99.0},
+                    window({DECODE.name: [110.0, 111.0, 112.0], TTFT.name: 99.0},
                            {DECODE.name: [100.0, 101.0], TTFT.name: 100.0},
                            {DECODE.name: [100.0, 99.0], TTFT.name: 100.0}, {"qeval": (True, "0 broke, 0 fixed, p=1")}))
     stored = json.loads(json.dumps(verdict.to_dict(), allow_nan=False))
@@ -304,7 +304,7 @@ def test_verdict_to_dict_is_plain_json() -> None:
     assert stored["reasons"] == verdict.reasons
     assert stored["gates"] == {"qeval": {"passed": True, "detail": "0 broke, 0 fixed, p=1"}}
     decode, ttft = stored["metrics"]
-    assert decode["status"] == "improved" and decode["repeats"]["n_arm"] == 2
+    assert decode["status"] == "improved" and decode["repeats"]["n_arm"] == 3
     assert ttft["status"] == "within" and ttft["repeats"] is None and ttft["higher_is_better"] is False
 
 

@@ -15,9 +15,10 @@ Numbers are never cut short: a table wider than the terminal (or than 80 columns
 printed at the width it needs, and `--json` gives the same comparison for machines.
 
 Statistics only where there are repeats, and the table says which was used:
-- a percentile bootstrap 95 % interval of the ratio of medians when each side has ≥ 2 samples;
-  a change is "established" only when the whole interval lies beyond the threshold (the rule
-  criterion.rs uses; docs/keep.md);
+- a percentile bootstrap 95 % interval of the ratio of medians when each side has ≥ 3 values
+  (`stats.MIN_INTERVAL_SAMPLES`; two a side give a difference, never an interval); a change is
+  "established" only when the whole interval lies beyond the threshold (the rule criterion.rs
+  uses; docs/keep.md);
 - an exact (or normal-approximation) Mann-Whitney p only when the sample sizes can reach
   p < 0.05 at all (4 vs 4 or more: 3 vs 3 never can); otherwise it says so;
 - none where a side is a one-boot run's only boot (a ladder with no arms): its repeats say nothing of
@@ -40,7 +41,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lab.analysis import keep, verdicts
-from lab.analysis.stats import median_of_repeats, noise_band, ratio_summary, relative_delta
+from lab.analysis.stats import MIN_INTERVAL_SAMPLES, median_of_repeats, noise_band, ratio_summary, relative_delta
 from lab.instruments.paired import paired_counts
 from lab.store import reader
 from lab.store.db import Store
@@ -306,7 +307,7 @@ def _row(a: Side, b: Side, selector: verdicts.Selector, kind: str, gate: verdict
                            "one boot a side: a difference, no interval" if len(a_medians) == len(b_medians) == 1
                            else "a one-boot run: no interval", len(a_medians), len(b_medians))
     elif delta is not None:
-        stats = _statistics(a_pooled, b_pooled, higher, threshold)
+        stats = _statistics(a_pooled, b_pooled, higher, threshold, (len(a_medians), len(b_medians)))
     holds = None if gate is None else {side: None if value is None else gate.check(value, "").passed
                                        for side, value in (("a", a_value), ("b", b_value))}
     return Row(metric=selector.label, kind=kind, rule=rule, unit=b_unit or a_unit, higher_is_better=higher,
@@ -339,11 +340,17 @@ def _noise(side: Side, selector: verdicts.Selector) -> float | None:
         return None
 
 
-def _statistics(a: list[float], b: list[float], higher: bool | None, threshold: float) -> Statistics:
+def _statistics(a: list[float], b: list[float], higher: bool | None, threshold: float,
+                boots: tuple[int, int]) -> Statistics:
+    """`a` and `b`: every repeat of each side's boots, pooled; `boots`: how many boots gave them."""
     n_a, n_b = len(a), len(b)
     sizes = f"n {n_a} vs {n_b}"
-    if min(n_a, n_b) < 2:
-        return Statistics("none", f"{sizes}: no interval (needs ≥ 2 samples per side)", f"{sizes}: no CI", n_a, n_b)
+    if min(n_a, n_b) < MIN_INTERVAL_SAMPLES:
+        what = "boots" if (n_a, n_b) == boots else "values"
+        counts = f"{n_a} {what} a side" if n_a == n_b else f"{n_a} vs {n_b} {what}"
+        return Statistics("none", f"{counts} give a difference, not an interval: {MIN_INTERVAL_SAMPLES} or more a "
+                          "side, or a calibration (`lab calibrate`), give one",
+                          f"{sizes}: no CI (needs {MIN_INTERVAL_SAMPLES} a side)", n_a, n_b)
     if min(a + b) <= 0:
         return Statistics("none", f"{sizes}, not all positive: no ratio interval", f"{sizes}: no CI", n_a, n_b)
     # The same sign as Δ %: better is positive.
@@ -465,7 +472,7 @@ def print_comparison(console: Console, c: Comparison) -> None:
         if row.change == "within noise" and row.delta_pct is not None:
             console.print(f"{escape(row.metric)}: {_delta(row)} % is within the noise band "
                           f"±{_pct(row.band_pct, row.band_pct)} % ({row.band_source})", highlight=False)
-        if row.statistics is not None and row.statistics.test != "none":
+        if row.statistics is not None:
             console.print(f"{escape(row.metric)}: {escape(row.statistics.text)}", highlight=False)
     qeval = c.quality.qeval
     if qeval is not None:

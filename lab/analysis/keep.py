@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 
 from lab.analysis import effects
 from lab.analysis.effects import Interval, Noise
-from lab.analysis.stats import median_of_repeats, noise_band, ratio_summary, relative_delta
+from lab.analysis.stats import MIN_INTERVAL_SAMPLES, median_of_repeats, noise_band, ratio_summary, relative_delta
 
 DEFAULT_THRESHOLD_PCT = 2.0
 CI_CONFIDENCE = 0.95
@@ -440,7 +440,7 @@ def _repeats_evidence(metric: KeyMetric, arm_boots: list[BootValues],
     arm_samples = [v for boot in arm_boots for v in boot.values[metric.name]]
     control_samples = [v for boot in controls for v in boot.values[metric.name]]
     # A ratio of medians needs positive figures; rates and latencies are, counts of zero are not.
-    if min(len(arm_samples), len(control_samples)) < 2 or min(arm_samples + control_samples) <= 0:
+    if min(len(arm_samples), len(control_samples)) < MIN_INTERVAL_SAMPLES or min(arm_samples + control_samples) <= 0:
         return None
     summary = ratio_summary(arm_samples, control_samples, metric.higher_is_better, CI_CONFIDENCE, CI_SEED)
     return RepeatsEvidence(n_arm=summary.n_new, n_control=summary.n_reference, ci_low_pct=summary.low_pct,

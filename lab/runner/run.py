@@ -35,7 +35,7 @@ from lab.runner import fingerprint
 from lab.runner.errors import Interrupted, RunError
 from lab.runner.slot import RunContext, run_slot
 from lab.store import reader, writer
-from lab.store.db import Store
+from lab.store.db import Store, StoreError
 from lab.store.rows import ArmRecord, RunRecord, SlotRecord
 
 log = logging.getLogger("lab.run")
@@ -92,6 +92,9 @@ def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float
         return _execute(store, run, console, time_budget_s)
     except RunError:
         raise  # refused before it started (another process owns it, another plan): nothing to mark
+    except StoreError as exc:  # the store itself stopped answering: nothing can be marked in it
+        raise StoreError(f"{exc}; run {run.name} stays as it was, `lab run --resume {run.name}` continues it "
+                         "once the store answers again") from None
     except Exception as exc:
         # A bug or an exhausted host, not a request to stop: say so in the store, never "running".
         reason = _one_line(exc)

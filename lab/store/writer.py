@@ -196,9 +196,11 @@ def write_noise(store: Store, *, run_id: int, ladder_name: str, host: str, rows:
 
 def add_series_point(store: Store, *, series: str, label: str, run_id: int, ladder_name: str, host: str,
                      identity: dict[str, Any]) -> None:
-    """File a sweep run under its series; a label already in the series is refused (ValueError)."""
+    """File a sweep run under its series; a label already in the series is refused (ValueError), also
+    one an earlier lab filed under the same ladder and host with its config hash in the series name."""
     with store.session() as s, s.begin():
-        taken = s.scalar(select(m.SeriesPoint).where(m.SeriesPoint.series == series, m.SeriesPoint.label == label))
+        taken = s.scalar(select(m.SeriesPoint).where(m.SeriesPoint.ladder_name == ladder_name,
+                                                     m.SeriesPoint.host == host, m.SeriesPoint.label == label))
         if taken is not None:
             raise ValueError(f"label {label!r} is already in series {series} (run id {taken.run_id}); pick another")
         s.add(m.SeriesPoint(series=series, label=label, run_id=run_id, ladder_name=ladder_name, host=host,
