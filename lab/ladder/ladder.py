@@ -118,8 +118,8 @@ class Keep(Strict):
     """Data for `lab.analysis.keep.KeepRule`: directions come from the instruments' declared metrics."""
 
     threshold_pct: float = Field(2.0, ge=0, allow_inf_nan=False)
-    max_drift_pct: float | None = Field(None, ge=0, allow_inf_nan=False, description="controls further apart void the window; "
-                                                                "default threshold_pct")
+    max_drift_pct: float | None = Field(None, ge=0, allow_inf_nan=False, description="with one arm boot, a key metric whose controls are further apart "
+                                                                "is undecided (it blocks a keep); default threshold_pct")
     metrics: list[Union[str, MetricRef]] = Field(default_factory=list, description="key metrics, <instrument>.<metric>")
     gates: list[Gate] = Field(default_factory=list)
 
