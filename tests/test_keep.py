@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab.analysis import verdicts
 from lab.analysis.effects import Noise
 from lab.analysis.keep import (ArmEvidence, BootValues, Decision, GateResult, KeepRule, KeyMetric, MetricStatus,
                                Verdict, judge)
+from lab.store import reader
+from lab.store.db import open_store
 
 DECODE = KeyMetric("decode_c4_tok_s", higher_is_better=True)
 PREFILL = KeyMetric("prefill_8k_tok_s", higher_is_better=True)
@@ -376,3 +380,25 @@ def test_the_decision_does_not_depend_on_units(controls_and_arm: list[float], ex
     plain, scaled = decide(1.0), decide(scale)
     assert scaled.decision is plain.decision
     assert only_row(scaled, "m").delta_pct == only_row(plain, "m").delta_pct
+
+
+# --- a stored run judged again -------------------------------------------------------------------
+
+def test_a_stored_h200_run_whose_soak_metric_drifts_is_rejected_for_its_clear_prefill_regression(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # results/h200-63e5d3d-h200-long: one arm, one boot, no calibration. The soak's turn latency
+    # controls are 2.5 % apart; the 300K prefill's agree to 0.9 % and the arm is 4.3 % slower.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    store = open_store(str(Path(__file__).resolve().parents[1] / "results" / "h200-63e5d3d-h200-long.db.xz"),
+                       read_only=True)
+    try:
+        verdict = verdicts.judge(verdicts.load(store, reader.find_run(store, "h200-long-63e5d3d").id))["L1mnbt4k"]
+    finally:
+        store.close()
+    assert verdict.decision is Decision.REJECT
+    assert verdict.reasons[0] == ("prefill.prefill_tok_s_median[length=300000] -4.3 % regresses beyond 2 % vs "
+                                  "controls 6375.0/6317.2: arm 6076.4")
+    soak = only_row(verdict, "soak.turn_latency_s[band=all,stat=median]")
+    assert soak.status is MetricStatus.DRIFT and soak.drift_pct == pytest.approx(2.5, abs=0.01)
+    assert verdict.reasons[1].startswith("soak.turn_latency_s[band=all,stat=median] undecided: controls drift "
+                                         "2.5 % > 2 %")
