@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lab.analysis import verdicts
-from lab.analysis.keep import Verdict
+from lab.analysis.keep import Decision, MetricStatus, Verdict
 from lab.instruments import REGISTRY
 from lab.ladder import render
 from lab.ladder.ladder import Ladder
@@ -82,14 +82,17 @@ def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str |
 BUDGET_MARGIN = 1.15
 
 
-def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None = None) -> Outcome:
+def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None = None,
+            db: str | None = None) -> Outcome:
     """Boot every pending slot of the run in order; marks the run done, interrupted on Ctrl-C/SIGTERM,
     or failed with the reason when an exception ends it. With `time_budget_s`, a boot starts only
     when the time left can hold it, judged by the longest boot of its kind (warm-up or measured)
     this run has finished (BUDGET_MARGIN more); otherwise the run stops there, interrupted and
-    resumable, with `Outcome.out_of_time` saying why. A boot of a kind never finished starts."""
+    resumable, with `Outcome.out_of_time` saying why. A boot of a kind never finished starts.
+    With `db` (the store as `lab run --db` named it), an inconclusive verdict a calibration would
+    decide prints the commands that decide it."""
     try:
-        return _execute(store, run, console, time_budget_s)
+        return _execute(store, run, console, time_budget_s, db)
     except RunError:
         raise  # refused before it started (another process owns it, another plan): nothing to mark
     except Exception as exc:
@@ -101,7 +104,8 @@ def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float
                        "left") from exc
 
 
-def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None) -> Outcome:
+def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None,
+             db: str | None) -> Outcome:
     began = time.monotonic()
     ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
     plan = render.plan(ladder)
@@ -139,6 +143,9 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
                     for arm, verdict in store_verdicts(store, run.id, slot.window).items():
                         progress.console.print(f"  KEEP {arm}: [bold]{verdict.decision}[/] "
                                                f"({escape(verdict.reasons[0])})")
+                        hint = how_to_decide(run, verdict, db) if db is not None else None
+                        if hint:
+                            progress.console.print(f"    {escape(hint)}", highlight=False)
                 progress.advance(task)
         except (Interrupted, KeyboardInterrupt):
             writer.set_run_status(store, run.id, "interrupted")
@@ -155,6 +162,24 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
         progress.update(task, description="finished")
     writer.set_run_status(store, run.id, "done")
     return outcome
+
+
+# What an inconclusive verdict's hint suggests, `lab calibrate`'s default: five A/A effects, so a
+# one-boot interval's t factor is 2.6 (it is 4.3 with the two of 4 boots).
+SUGGESTED_CALIBRATION_BOOTS = 7
+
+
+def how_to_decide(run: RunRecord, verdict: Verdict, db: str) -> str | None:
+    """The commands that would decide an inconclusive verdict held back by a key metric with no noise
+    model (its controls drifted, or one warm control): a calibration, then the report judges again;
+    None for any other verdict."""
+    if verdict.decision is not Decision.INCONCLUSIVE or not any(
+            row.status in (MetricStatus.DRIFT, MetricStatus.UNDECIDED) and row.interval is None
+            for row in verdict.metrics):
+        return None
+    k = SUGGESTED_CALIBRATION_BOOTS
+    return (f"to decide it: `lab calibrate {run.ladder_path} --boots {k} --db {db}` then "
+            f"`lab report {run.name} --db {db}`, or `lab run {run.ladder_path} --calibrate {k}` next time")
 
 
 def _out_of_time(store: Store, run: RunRecord, slot: SlotRecord, left_s: float) -> str | None:
