@@ -56,7 +56,8 @@ def run_calibration(store: Store, ladder_path: str | Path, boots: int, console: 
     console.print(f"calibration run [bold]{run.name}[/] (id {run.id}): a warm-up, then {boots} boots of the control")
     stopped = None
     try:
-        stopped = execute(store, run, console, time_budget_s).out_of_time
+        # Its traps name the lines of the ladder as written, not of the A/A ladder derived from it.
+        stopped = execute(store, run, console, time_budget_s, ladder_text=Path(ladder_path).read_text()).out_of_time
     except Interrupted:
         stopped = "interrupted"
     return Calibration(run, repeats, measure(store, run.id, repeats), stopped)
