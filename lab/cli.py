@@ -10,7 +10,10 @@ import functools
 import math
 import logging
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from lab.runner.calibrate import Calibration
 
 DEFAULT_DB = "lab.db"
 
@@ -116,7 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _calibration_stopped(done, args: argparse.Namespace) -> int:  # done: lab.runner.calibrate.Calibration
+def _calibration_stopped(done: Calibration, args: argparse.Namespace) -> int:
     """The ladder is not run after a calibration that stopped early or measured nothing: say what was
     kept and what runs it."""
     kept = ("the noise above, from the control boots that finished, is stored: `lab run "
@@ -166,7 +169,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_noise(done) -> None:  # done: lab.runner.calibrate.Calibration
+def _print_noise(done: Calibration) -> None:
     from rich.table import Table
 
     table = Table("key metric", "boots", "boot-to-boot SD %", "drift %",

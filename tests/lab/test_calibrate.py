@@ -149,3 +149,17 @@ def test_an_inconclusive_verdict_a_calibration_would_decide_names_the_commands(t
                                         BootValues("C/open", {"decode": 95.0, "prefill": 100.0}),
                                         BootValues("C/close", {"decode": 105.0, "prefill": 100.0})))
     assert str(regressed.decision) == "reject" and how_to_decide(run, regressed, "x.db") is None
+
+
+def test_a_calibration_out_of_time_runs_no_ladder_and_says_what_it_kept(tmp_path: Path, lab, store, capsys) -> None:
+    # A boot of a kind not yet finished always starts: the warm-up and one control, then the budget
+    # cannot hold another control.
+    path = stub_ladder(tmp_path, BODY)
+    assert lab("run", str(path), "--calibrate", "3", "--time-budget", "1") == 75
+    err = " ".join(capsys.readouterr().err.split())
+    assert "stopped: " in err and "of the time budget left" in err
+    assert "the ladder was not run; no noise was stored" in err
+    with store.session() as s:
+        [calibration] = s.scalars(select(m.Run)).all()  # no run of the ladder itself
+        assert calibration.name.startswith("stub-calibration-") and calibration.status == "interrupted"
+        assert s.scalars(select(m.NoiseModel)).all() == []
