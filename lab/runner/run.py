@@ -184,13 +184,18 @@ def how_to_decide(run: RunRecord, verdict: Verdict, db: str) -> str | None:
     """The commands that would decide an inconclusive verdict held back by a key metric with no noise
     model (its controls drifted, or one warm control): a calibration, then the report judges again;
     None for any other verdict."""
-    if verdict.decision is not Decision.INCONCLUSIVE or not any(
-            row.status in (MetricStatus.DRIFT, MetricStatus.UNDECIDED) and row.interval is None
-            for row in verdict.metrics):
+    held = [row for row in verdict.metrics
+            if row.status in (MetricStatus.DRIFT, MetricStatus.UNDECIDED) and row.interval is None]
+    if verdict.decision is not Decision.INCONCLUSIVE or not held:
         return None
     k = SUGGESTED_CALIBRATION_BOOTS
-    return (f"to decide it: `lab calibrate {run.ladder_path} --boots {k} --db {db}` then "
+    hint = (f"to decide it: `lab calibrate {run.ladder_path} --boots {k} --db {db}` then "
             f"`lab report {run.name} --db {db}`, or `lab run {run.ladder_path} --calibrate {k}` next time")
+    # keep.judge says "opening control C0ctl/open booted cold: excluded from the verdict".
+    if any(len(row.control_values) == 1 for row in held) and any(
+            "control" in reason and "booted cold" in reason for reason in verdict.reasons):
+        hint += "; a warm-up boot (`hygiene.warmup_boot: true`) keeps the first control from booting cold"
+    return hint
 
 
 def _too_long(store: Store, run: RunRecord, ladder: Ladder, slot: SlotRecord, ladder_text: str) -> str | None:

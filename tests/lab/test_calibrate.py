@@ -163,3 +163,16 @@ def test_a_calibration_out_of_time_runs_no_ladder_and_says_what_it_kept(tmp_path
         [calibration] = s.scalars(select(m.Run)).all()  # no run of the ladder itself
         assert calibration.name.startswith("stub-calibration-") and calibration.status == "interrupted"
         assert s.scalars(select(m.NoiseModel)).all() == []
+
+
+def test_an_arm_judged_against_one_warm_control_is_told_of_the_warm_up_boot(tmp_path: Path, lab, store) -> None:
+    from lab.analysis.keep import ArmEvidence, BootValues, KeepRule, KeyMetric, judge
+    from lab.runner.run import how_to_decide
+    from lab.store import reader
+
+    assert lab("run", str(stub_ladder(tmp_path, BODY)), "--name", "r") == 0
+    verdict = judge(KeepRule(2.0, [KeyMetric("decode", True)]),
+                    ArmEvidence([BootValues("A1", {"decode": 110.0})], BootValues("C/open", {"decode": 50.0}, cold=True),
+                                BootValues("C/close", {"decode": 100.0})))
+    hint = how_to_decide(reader.find_run(store, "r"), verdict, "lab.db")
+    assert hint.endswith("; a warm-up boot (`hygiene.warmup_boot: true`) keeps the first control from booting cold")
