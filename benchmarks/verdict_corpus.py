@@ -12,12 +12,13 @@ Two designs judge the same boots:
 - `first`: what a first run would have decided: no calibration, and each arm boot alone between
   the two controls that bracket it (each inner control of a calibration between its neighbours).
 
-Two rules: `new`, the rule of `lab.analysis.keep` (a key metric whose controls drift beyond
-max_drift_pct with no calibration is undecided on its own), and `old`, the rule before it (such a
-drift voided the whole window: inconclusive unless a gate failed). `--inject-pct P` adds, for
-every no-op window of the `first` design, one verdict per key metric with the arm boot's figure
-of that metric made P % worse (throughput x (1 - P/100), latency / (1 - P/100)): a synthetic true
-slowdown on real noise, each of which should be rejected.
+Two rules: `new`, the rule of `lab.analysis.keep` (with one arm boot and no calibration, a key
+metric whose controls drift beyond max_drift_pct, or that has one warm control, is undecided on its
+own), and `old`, the rule before it (such a drift voided the whole window: inconclusive unless a
+gate failed; one warm control was judged by the point figure). `--inject-pct P` adds, for every
+no-op window of the `first` design whose threshold is below P, one verdict per key metric with the
+arm boot's figure of that metric made P % worse (throughput x (1 - P/100), latency / (1 - P/100)):
+a synthetic true slowdown on real noise, each of which should be rejected.
 
     python benchmarks/verdict_corpus.py results/cpu-c480be3-bundled-noop.db.xz:noop \\
         results/h200-57d1fcf-h200-inject3.db.xz:inject --inject-pct 3
