@@ -65,8 +65,11 @@ def outcome(verdict: keep.Verdict, rule: str) -> str:
         return "keep"
     if decision is Decision.INCONCLUSIVE:
         return "inconclusive"
-    return "regressed" if any(_old_kind(row, verdict.threshold_pct) == "regressed" if rule == "old"
-                              else row.status is MetricStatus.REGRESSED for row in verdict.metrics) else "no effect"
+    if rule == "old":
+        regressed = any(_old_kind(row, verdict.threshold_pct) == "regressed" for row in verdict.metrics)
+    else:
+        regressed = any(row.status is MetricStatus.REGRESSED for row in verdict.metrics)
+    return "regressed" if regressed else "no effect"
 
 
 def _old_kind(row: keep.MetricRow, threshold: float) -> str:
