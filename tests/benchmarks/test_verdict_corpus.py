@@ -4,6 +4,8 @@ no-op arms give no keep, the injected slowdowns are all rejected, under the rule
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,9 +53,7 @@ def test_one_rule_one_design_and_the_listing(cache: None) -> None:
     assert "L1mnbt4k (stored, real): new regressed" not in out  # one rule: nothing to disagree on
 
 
-def test_a_store_without_its_truth_is_refused(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def test_a_store_without_its_truth_is_refused() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verdict_corpus.py"),
                            str(ROOT / "results/h200-63e5d3d-h200-long.db.xz")], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
