@@ -11,7 +11,10 @@ import functools
 import math
 import logging
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from lab.runner.calibrate import Calibration
 
 DEFAULT_DB = "lab.db"
 
@@ -30,6 +33,9 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="name of the new run (default: <ladder name>-<date>-<time>)")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
     parser.add_argument("--dry-run", action="store_true", help="validate the ladder and print its boots; run nothing")
+    parser.add_argument("--calibrate", type=int, metavar="N",
+                        help="first boot the control N times after a warm-up (`lab calibrate --boots N`), then run "
+                             "the ladder and judge it with that noise (default: the ladder's keep.calibrate)")
     _time_budget_arg(parser)
     _db_arg(parser)
 
@@ -55,33 +61,54 @@ EXIT_OUT_OF_TIME = 75
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import time
+
     from lab.analysis.verdicts import key_figure_missing
     from lab.ladder import render
     from lab.ladder.engines import kind_of
     from lab.ladder.validate import load_ladder
     from lab.report.listing import print_plan
+    from lab.runner import calibrate
     from lab.runner.run import create, execute, resume
     from lab.store.db import open_store, shown
 
     console = _console()
     if bool(args.ladder) == bool(args.resume):
         raise UsageError("give either LADDER.yaml or --resume RUN")
+    if args.resume and args.calibrate is not None:
+        raise UsageError("--calibrate starts a new run; a resumed run is judged with the newest calibration stored")
+    ladder = load_ladder(args.ladder)[0] if args.ladder else None
+    boots = args.calibrate if args.calibrate is not None else ladder.keep.calibrate if ladder else None
+    if boots is not None and not calibrate.MIN_BOOTS <= boots <= calibrate.MAX_BOOTS:
+        raise UsageError(f"--calibrate {boots}: a calibration boots the control {calibrate.MIN_BOOTS} to "
+                         f"{calibrate.MAX_BOOTS} times")
     if args.dry_run:
-        if not args.ladder:
+        if not ladder:
             raise UsageError("--dry-run needs LADDER.yaml")
-        ladder, _ = load_ladder(args.ladder)
         plan = render.plan(ladder)
         kind = kind_of(ladder.engine)
         # What each arm would run, its environment first; the port is chosen at each boot.
         commands = {arm.name: shlex.join([*(f"{k}={v}" for k, v in sorted(launch.env.items())), *launch.argv])
                     for arm in plan.arms for launch in [kind.launch(arm, "{port}")]}
-        print_plan(_console(stdout=True), plan, ladder, commands)
+        out = _console(stdout=True)
+        if boots:
+            out.print(f"first a calibration: a warm-up, then {boots} boots of {ladder.windows[0].control_name} "
+                      f"(`lab calibrate --boots {boots}`); then:", highlight=False)
+        print_plan(out, plan, ladder, commands)
         return 0
+    began = time.monotonic()
     store = open_store(args.db)
     try:
+        if boots:
+            done = calibrate.run_calibration(store, args.ladder, boots, console, runs_dir=args.runs_dir,
+                                             time_budget_s=args.time_budget)
+            _print_noise(done)
+            if done.stopped or not done.rows:
+                return _calibration_stopped(done, args)
+        budget = None if args.time_budget is None else args.time_budget - (time.monotonic() - began)
         run = resume(store, args.resume) if args.resume else create(store, args.ladder, args.name, args.runs_dir)
         console.print(f"run [bold]{run.name}[/] (id {run.id}) → {shown(args.db)}; boot logs in {run.logs_dir}")
-        outcome = execute(store, run, console, args.time_budget)
+        outcome = execute(store, run, console, budget, db=args.db)
         missing = key_figure_missing(store, outcome.run_id) if outcome.boots and not outcome.out_of_time else None
     finally:
         store.close()
@@ -100,9 +127,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration_stopped(done: Calibration, args: argparse.Namespace) -> int:
+    """The ladder is not run after a calibration that stopped early or measured nothing: say what was
+    kept and what runs it."""
+    kept = ("the noise above, from the control boots that finished, is stored: `lab run "
+            f"{args.ladder} --db {args.db}` judges with it") if done.rows else "no noise was stored"
+    if done.stopped == "interrupted":
+        _error(f"calibration {done.run.name} interrupted before the ladder ran; {kept}")
+        return 130
+    if done.stopped:
+        _error(f"calibration {done.run.name} stopped: {done.stopped}; the ladder was not run; {kept}")
+        return EXIT_OUT_OF_TIME
+    _error(f"calibration {done.run.name}: no key metric had 3 warm control boots, so the ladder was not run; "
+           f"`lab ls {done.run.name} --db {args.db}` shows what happened")
+    return 1
+
+
 def _calibrate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ladder", metavar="LADDER.yaml", help="the ladder whose key metrics to calibrate")
-    parser.add_argument("--boots", type=int, default=7, metavar="N",
+    parser.add_argument("--boots", type=int, default=7, metavar="N",  # lab.runner.run.SUGGESTED_CALIBRATION_BOOTS
                         help="control boots in the A/A window (at least 3; default 7)")
     parser.add_argument("--name", help="name of the calibration run (default: <ladder>-calibration-<date>-<time>)")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
@@ -110,44 +153,39 @@ def _calibrate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from lab.runner import calibrate
-    from lab.runner.errors import Interrupted
-    from lab.runner.run import execute
-    from lab.store.db import open_store, shown
+    from lab.store.db import open_store
 
-    console = _console()
     store = open_store(args.db)
     try:
         try:
-            run, repeats = calibrate.create(store, args.ladder, args.boots, args.name, args.runs_dir)
+            done = calibrate.run_calibration(store, args.ladder, args.boots, _console(), name=args.name,
+                                             runs_dir=args.runs_dir)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {shown(args.db)}")
-        try:
-            execute(store, run, console)
-            interrupted = False
-        except Interrupted:
-            # A time limit or Ctrl-C late in a long calibration: the warm controls it finished are
-            # still A/A evidence, so they are measured and stored rather than thrown away.
-            interrupted = True
-        rows = calibrate.measure(store, run.id, repeats)
     finally:
         store.close()
-    table = Table("key metric", "boots", "boot-to-boot SD %", "drift %", f"MDE % ({repeats} repeats, 80 % power)")
-    for row in rows:
+    _print_noise(done)
+    if done.stopped:
+        _error(f"calibration {done.run.name} interrupted: the noise above is from the control boots that finished"
+               if done.rows else f"calibration {done.run.name} interrupted before 3 warm control boots: no noise "
+                                 "stored")
+        return 130
+    if not done.rows:
+        _error(f"no key metric had 3 warm control boots; `lab ls {done.run.name}` shows what happened")
+        return 1
+    return 0
+
+
+def _print_noise(done: Calibration) -> None:
+    from rich.table import Table
+
+    table = Table("key metric", "boots", "boot-to-boot SD %", "drift %",
+                  f"MDE % ({done.repeats} repeats, 80 % power)")
+    for row in done.rows:
         table.add_row(row["metric"], str(row["boots"]), f"{math.expm1(row['sd_log']) * 100:.2f}",
                       f"{row['drift_pct']:.2f}", f"±{row['mde_pct']:.2f}")
     _console(stdout=True).print(table)
-    if interrupted:
-        _error(f"calibration {run.name} interrupted: the noise above is from the control boots that finished"
-               if rows else f"calibration {run.name} interrupted before 3 warm control boots: no noise stored")
-        return 130
-    if not rows:
-        _error(f"no key metric had 3 warm control boots; `lab ls {run.name}` shows what happened")
-        return 1
-    return 0
 
 
 def _ls_args(parser: argparse.ArgumentParser) -> None:

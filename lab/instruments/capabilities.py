@@ -5,7 +5,8 @@ own:
 
 - `answered`: a real request of the ladder's largest size (its instruments' longest request,
   prompt and output, or `hygiene.probe_prompt_tokens` where the ladder caps it: `capped_from`) was answered. Readiness means this, not a 1-token prompt: an engine that crashes on long prompts
-  fails its boot here instead of storing a run of invalid cells.
+  fails its boot here instead of storing a run of invalid cells. When it was not, `context` is the
+  context the engine reports (`max_model_len`), or None.
 - `streamed_usage`: a stream asked for `stream_options.include_usage` carried `usage`.
 - `ignore_eos`: `honoured` (a greedy chat that stops early by itself ran to `max_tokens` with it),
   `ignored` (it stopped early anyway), `refused` (HTTP 400), `unknown` (the chat did not stop
@@ -126,6 +127,8 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
         caps["answered"] = answer.ok
         if not answer.ok:
             caps["error"] = answer.error
+            # What the runner needs to say which request of the ladder does not fit, when the engine says.
+            caps["context"] = await extras.max_model_len()
             return caps
         caps["logprobs"] = bool(answer.logprobs)
         short = {"model": endpoint.model, "prompt": f"{salt_line(salt)} Hello", "max_tokens": CHUNK_CHECK_TOKENS,

@@ -119,10 +119,15 @@ class Keep(Strict):
     """Data for `lab.analysis.keep.KeepRule`: directions come from the instruments' declared metrics."""
 
     threshold_pct: float = Field(2.0, ge=0, allow_inf_nan=False)
-    max_drift_pct: float | None = Field(None, ge=0, allow_inf_nan=False, description="controls further apart void the window; "
-                                                                "default threshold_pct")
+    max_drift_pct: float | None = Field(None, ge=0, allow_inf_nan=False, description="with one arm boot, a key metric whose controls are further apart "
+                                                                "is undecided (it blocks a keep); default threshold_pct")
     metrics: list[Union[str, MetricRef]] = Field(default_factory=list, description="key metrics, <instrument>.<metric>")
     gates: list[Gate] = Field(default_factory=list)
+    # 3: two controls bracket the third, one A/A effect; 21: one window of at most 20 repeats + 1
+    # (lab.runner.calibrate.MIN_BOOTS and MAX_BOOTS).
+    calibrate: Optional[int] = Field(None, ge=3, le=21, description="`lab run` first boots the control this many "
+                                                                     "times (after a warm-up boot), exactly as `lab "
+                                                                     "calibrate --boots N`, and judges with that noise")
 
     def metric_refs(self) -> list[MetricRef]:
         return [MetricRef(metric=m) if isinstance(m, str) else m for m in self.metrics]

@@ -101,7 +101,13 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
                f", {run['engine_kind']} engine, ladder sha256 {run['ladder_sha256'][:12]}. Run {run['status']}, "
                f"started {run['created_at']:%Y-%m-%d %H:%M} UTC; {len(data.slots)} planned boots, {done} finished, "
                f"{len(boots) - done} did not.")
-    blocks: list[doc.Block] = [doc.Paragraph(summary), doc.Heading("KEEP verdicts")]
+    blocks: list[doc.Block] = [doc.Paragraph(summary)]
+    warnings = run.get("warnings")
+    if isinstance(warnings, list) and warnings:  # None, or NaN in a frame of stores written before the column
+        blocks += [doc.Heading("Warnings"),
+                   doc.Paragraph("What the first measured boot showed about the ladder, each with its fix:"),
+                   doc.Items(list(warnings))]
+    blocks.append(doc.Heading("KEEP verdicts"))
 
     armless = not (data.arms["role"] == "arm").any()
     keep = tables.keep_table(data)

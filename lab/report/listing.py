@@ -45,6 +45,8 @@ def print_run(console: Console, store: Store, ref: str) -> None:
     console.print(f"[bold]{run.name}[/] (id {run.id}) · ladder {run.ladder_name} sha256 {run.ladder_sha256[:12]} · "
                   f"{run.engine_kind} engine · {_status(run.status)}"
                   + (f" ({escape(run.reason)})" if run.reason else "") + f" · logs {run.logs_dir}")
+    for text in run.warnings or []:  # what its first measured boot showed about the ladder
+        console.print(f"[yellow]warning[/]: {escape(text)}", highlight=False)
     arms = Table("arm", "window", "role", "change", "config hash", title="arms", title_justify="left")
     for arm in reader.arms(store, run.id):
         arms.add_row(arm.name, arm.window, arm.role, escape(_change(arm.change)), arm.config_hash)

@@ -19,7 +19,7 @@ from lab.report.data import RunData
 def keep_table(data: RunData) -> pd.DataFrame:
     """One row per judged arm: its change, decision, each key metric's Δ % (better positive, as in the
     KEEP lines), the controls' drift and the minimum detectable effect, gates, the deciding reason.
-    Percentages carry the precision the rule compared them at: a 2.02 % drift that voided a window
+    Percentages carry the precision the rule compared them at: a 2.02 % drift that left a metric undecided
     against a 2 % limit reads 2.02, never 2.0."""
     changes = data.arms.set_index("name")["change"]
     rows = []

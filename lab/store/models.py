@@ -41,6 +41,9 @@ class Run(Base):
     owner_started: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime]
     finished_at: Mapped[datetime | None]
+    # What the first measured boot showed about the ladder (a key figure that is mostly ramp, a probe
+    # that measures nothing): one line each, naming the ladder line and the fix; None: nothing found.
+    warnings: Mapped[list[Any] | None]
 
     arms: Mapped[list["Arm"]] = relationship(back_populates="run", order_by="Arm.id")
     slots: Mapped[list["Slot"]] = relationship(back_populates="run", order_by="Slot.idx")

@@ -37,6 +37,7 @@ class RunRecord:
     owner_started: float | None
     created_at: datetime
     finished_at: datetime | None
+    warnings: list[str] | None = None  # what the first measured boot showed about the ladder
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,13 @@ def set_run_status(store: Store, run_id: int, status: str, reason: str | None = 
         run.finished_at = now() if status == "done" else None
 
 
+def add_run_warnings(store: Store, run_id: int, texts: list[str]) -> None:
+    """Add warnings about the run's ladder, each once."""
+    with store.session() as s, s.begin():
+        run = s.get_one(m.Run, run_id)
+        run.warnings = list(dict.fromkeys([*(run.warnings or []), *texts]))
+
+
 def start_boot(store: Store, *, run_id: int, slot_id: int, **fields: Any) -> tuple[int, int]:
     """A new boot row for the slot, numbered after any earlier attempt: (boot id, attempt)."""
     with store.session() as s, s.begin():
