@@ -125,6 +125,7 @@ def test_text_that_never_repeats_never_drafts_and_a_quoted_passage_drafts_at_onc
     passage = [int(t) for t in rng.integers(1000, 2000, 40)]
     prompt = passage + [int(t) for t in rng.integers(2000, 100_000, 200)]
     seq = Sequence(0, "r", prompt, SamplingParams(max_tokens=4000, temperature=0))
+    drafter.admit(seq)
     for token in rng.integers(100_000, 200_000, 300):  # output that repeats nothing
         assert not drafter.pays_to_sync([seq]) and drafter.propose(seq, 1, 8) == []
         seq.token_ids.append(int(token))

@@ -130,6 +130,8 @@ class LLMEngine:
             # On the engine's device, so that drawing a token never copies the distribution to the host.
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = seq
+        if self.drafter is not None:
+            self.drafter.admit(seq)
         self.scheduler.add(seq)
         return seq
 

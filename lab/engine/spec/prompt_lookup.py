@@ -70,15 +70,12 @@ class PromptLookup:
         self.counters = SpecCounters()
         self._tracked: dict[int, Tracked] = {}
 
-    def _track(self, seq: Sequence) -> Tracked:
-        """`seq`'s index and rates, brought up to the tokens on the host."""
-        tracked = self._tracked.get(seq.seq_id)
-        if tracked is None:
+    def admit(self, seq: Sequence) -> None:
+        """Index a new request's prompt, when its tokens may be drafted: at arrival, before its
+        prefill, rather than on a decode step."""
+        if drafts_allowed(seq.params):
             tracked = self._tracked[seq.seq_id] = Tracked(NgramIndex(self.n_min, self.n_max))
             tracked.index.start(seq.token_ids, seq.num_prompt_tokens)
-        for hit in tracked.index.advance(seq.token_ids, seq.num_known_tokens):
-            tracked.rates.update(hit)
-        return tracked
 
     def _room(self, seq: Sequence, budget: int) -> int:
         p = seq.params
@@ -86,10 +83,12 @@ class PromptLookup:
 
     def _plan(self, seq: Sequence, price: Price, budget: int) -> tuple[int, float]:
         """How many tokens `seq` should draft and what that gains net of its verification."""
+        tracked = self._tracked.get(seq.seq_id)  # none: its tokens may not be drafted
         room = self._room(seq, budget)
-        if room <= 0 or not drafts_allowed(seq.params):
+        if tracked is None or room <= 0:
             return 0, 0.0
-        tracked = self._track(seq)
+        for hit in tracked.index.advance(seq.token_ids, seq.num_known_tokens):
+            tracked.rates.update(hit)
         if tracked.index.source < 0:
             return 0, 0.0
         return price.best(tracked.rates, room)
