@@ -144,6 +144,20 @@ def test_text_that_never_repeats_never_drafts_and_a_quoted_passage_drafts_at_onc
     assert not drafter.pays_to_sync([seq]) and drafter.propose(seq, 1, 8) == []
 
 
+def test_the_probe_measures_the_batch_sizes_the_engine_can_hold_and_leaves_nothing_behind() -> None:
+    small = LLM("dummy:tiny", prompt_lookup=True, device="cpu", max_model_len=512, num_kv_blocks=40,
+                cpu_products="linear")
+    # A sequence of the probe holds 11 blocks (128 tokens of context and what it decodes): 8 do not fit.
+    assert [t.batch for t in small.engine.drafter.costs.measured] == [1]
+    roomy = LLM("dummy:tiny", prompt_lookup=True, device="cpu", max_model_len=512, max_num_seqs=8,
+                cpu_products="linear", enable_prefix_caching=True)
+    assert [t.batch for t in roomy.engine.drafter.costs.measured] == [1, 8]  # --max-num-seqs 8
+    engine = roomy.engine
+    assert engine.counters.steps == engine.counters.generation_tokens == engine.counters.requests_aborted == 0
+    assert engine.blocks.num_used_blocks == 0 and not engine.blocks.hash_to_block and engine.blocks.prefix_queries == 0
+    assert engine.requests == {} and engine.outputs.states == {} and engine.blocks.enable_prefix_caching
+
+
 def test_with_overlapped_decode_text_that_repeats_drafts_and_text_that_does_not_overlaps() -> None:
     # Random weights decode greedily into a loop, which prompt lookup drafts in full; sampled at
     # temperature 1 they never repeat, so no step gives up overlapping.
