@@ -19,7 +19,9 @@ figure an offline decode benchmark at batch C gives). C1 runs twice, so its cell
 KEEP rule's median of two repeats is their mean. Per category: `category_stream_tok_s` with
 params `{level, category}`. Where the engine's `/metrics` counts speculative decoding (vLLM's
 `spec_decode_num_accepted_tokens` and friends), the counters' change over the level gives
-`spec_acceptance` and `spec_tokens_per_step`; otherwise those cells are not written.
+`spec_acceptance` and `spec_tokens_per_step`; otherwise those cells are not written. At C1 the
+streams run one at a time and the counters are read around each, so the change over a stream is
+its category's: `category_spec_acceptance` with params `{level: 1, category}`.
 
 `context_tokens: N` puts about N tokens of filler text, different for every stream, before each
 question: every decode step then reads N tokens of KV per stream, as in a long conversation.
@@ -95,7 +97,7 @@ class DecodeInstrument:
 
     def metrics(self, params: BaseModel) -> dict[str, Better]:
         return {"agg_tok_s": "higher", "steady_agg_tok_s": "higher", "stream_tok_s": "higher", "ttft_s": "lower",
-                "category_stream_tok_s": "higher",
+                "category_stream_tok_s": "higher", "category_spec_acceptance": "higher",
                 "spec_acceptance": "higher", "spec_tokens_per_step": "higher"}
 
     def plan(self, params: BaseModel) -> list[Step]:
@@ -108,7 +110,8 @@ class DecodeInstrument:
         # Every level sends at least one prompt of each category (see _payloads).
         by_category = [{"level": c, "category": name} for c in params.levels for name in CATEGORIES]
         return {"agg_tok_s": levels, "steady_agg_tok_s": levels, "stream_tok_s": levels, "ttft_s": levels,
-                "category_stream_tok_s": by_category, "spec_acceptance": levels, "spec_tokens_per_step": levels}
+                "category_stream_tok_s": by_category, "spec_acceptance": levels, "spec_tokens_per_step": levels,
+                "category_spec_acceptance": [c for c in by_category if c["level"] == 1]}
 
     def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
         assert isinstance(params, DecodeParams)
@@ -147,13 +150,32 @@ class DecodeInstrument:
                 payloads = self._payloads(ctx, params, level, run, eos != "refused", words, ban)
                 before = spec_counters(await extras.metrics_text())
                 first = len(result.receipts)
-                result.receipts += await client.run_all(payloads, level)
+                if level == 1:
+                    result.cells += await self._one_at_a_time(client, extras, payloads, run, result)
+                else:
+                    result.receipts += await client.run_all(payloads, level)
                 after = spec_counters(await extras.metrics_text())
                 counted = await count_missing_usage(extras, ctx.capabilities, result.receipts[first:])
                 result.cells += _level_cells(level, run, result.receipts, first, params.max_tokens, eos,
                                              exclude=params.unvouched == "exclude", counted=counted, banned=banned)
                 result.cells += spec_cells(level, run, before, after)
         return result
+
+    @staticmethod
+    async def _one_at_a_time(client: StreamingClient, extras: EngineExtras, payloads: list[dict[str, Any]],
+                             run: int, result: StepResult) -> list[Cell]:
+        """C1's streams, each between two reads of the speculative counters: their change over a
+        stream is its category's acceptance."""
+        names = list(CATEGORIES)
+        cells = []
+        for i, payload in enumerate(payloads):
+            before = spec_counters(await extras.metrics_text())
+            result.receipts += await client.run_all([payload], 1)
+            after = spec_counters(await extras.metrics_text())
+            cells += [Cell("category_spec_acceptance", c.value, c.unit, {"level": 1, "category": names[i % len(names)]},
+                           run, note=c.note, requests=[len(result.receipts) - 1])
+                      for c in spec_cells(1, run, before, after) if c.metric == "spec_acceptance"]
+        return cells
 
     def _payloads(self, ctx: BootContext, params: DecodeParams, level: int, run: int,
                   ignore_eos: bool, filler: int = 0, ban: dict[str, int] | None = None) -> list[dict[str, Any]]:

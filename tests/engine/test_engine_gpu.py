@@ -154,6 +154,23 @@ def test_overlapped_decode_matches_synchronous() -> None:
     assert overlapped.engine.counters.overlapped_steps >= 20
 
 
+def test_prompt_lookup_with_graphs_and_overlap_matches_plain_decoding() -> None:
+    """Prompt lookup's load-time probe runs overlapped, graph-replayed and eager verify steps on the
+    device; greedy tokens then equal plain decoding's, whether a step drafts (random weights loop
+    greedily) or overlaps, with requests ending at different steps."""
+    ps = prompts(12, seed=6)
+    params = [SamplingParams(max_tokens=16 + (i % 4) * 8, temperature=0, ignore_eos=True) for i in range(12)]
+    plain = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="float32", device="cuda")
+    want = [c.token_ids for c in plain.generate(ps, params)]
+    del plain
+    spec = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="float32", device="cuda", prompt_lookup=True)
+    assert spec.engine.counters.steps == 0 and spec.engine.blocks.num_used_blocks == 0
+    measured = spec.engine.drafter.costs.measured
+    assert [t.batch for t in measured][0] == 1 and all(t.overlapped > 0 and t.plain > 0 for t in measured)
+    assert [c.token_ids for c in spec.generate(ps, params)] == want
+    assert spec.engine.counters.overlapped_steps > 0
+
+
 def test_a_repeated_workload_sends_the_allocator_to_the_driver_no_more() -> None:
     """What `/v1/stats` `allocator` reports: once a workload has run, running it again is served from
     the caching allocator's pool, so no request of a warm engine pays for a cudaMalloc."""

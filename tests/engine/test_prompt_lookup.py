@@ -14,7 +14,11 @@ from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.sampling_params import SamplingParams
 from lab.engine.core.sequence import Sequence
 from lab.engine.serve.llm import LLM
-from lab.engine.spec.prompt_lookup import FIRST_PAUSE, MAX_PAUSE, PATIENCE, Backoff, PromptLookup, find_draft
+from lab.engine.serve.engine_stats import engine_stats
+from lab.engine.spec.acceptance import HitRates
+from lab.engine.spec.draft_costs import DraftCosts, StepTimes
+from lab.engine.spec.ngram_index import NgramIndex
+from lab.engine.spec.prompt_lookup import PromptLookup
 from lab.engine.spec.rejection_sampler import verify
 from lab.instruments.decode import spec_cells, spec_counters
 from tests.engine.prompts import SHARED_PREFIX
@@ -28,20 +32,37 @@ PROMPTS = [REPEATS, CODE, "1, 1, 2, 3, 5, 8, 13,", SHARED_PREFIX + "Summarise th
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
-def test_find_draft_takes_the_longest_ngram_and_a_full_continuation() -> None:
+def draft_of(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    index = NgramIndex(n_min, n_max)
+    index.start(tokens, len(tokens))
+    return index.draft(tokens, k)
+
+
+def test_the_draft_follows_the_longest_recurring_ngram_and_continues_a_short_period() -> None:
     seq = [5, 1, 2, 3, 9, 7, 2, 3, 4, 8, 1, 2, 3]
     # The 3-gram (1, 2, 3) occurred at 1..3: what followed is drafted, up to k tokens.
-    assert find_draft(seq, 3, 1, 3) == [9, 7, 2]
-    assert find_draft(seq, 2, 1, 3) == [9, 7]
+    assert draft_of(seq, 3, 1, 3) == [9, 7, 2]
+    assert draft_of(seq, 2, 1, 3) == [9, 7]
     # Only 2-grams allowed: (2, 3) last occurred at 6..7, followed by 4, 8, 1.
-    assert find_draft(seq, 3, 1, 2) == [4, 8, 1]
-    assert find_draft([1, 2, 3, 4], 3, 1, 3) == []  # nothing recurs
-    assert find_draft([7], 3, 1, 3) == []
-    assert find_draft([4, 4], 3, 1, 3) == [4]  # the continuation is cut at the sequence's end
-    # Period 2: the latest (1, 2) is followed by two tokens only; the earlier one by four.
-    assert find_draft([1, 2, 1, 2, 1, 2], 4, 2, 2) == [1, 2, 1, 2]
-    assert find_draft([3, 9, 4, 9], 5, 1, 3) == [4, 9]  # only the 1-gram (9) recurs
-    assert find_draft([3, 9, 4, 9], 5, 2, 3) == []
+    assert draft_of(seq, 3, 1, 2) == [4, 8, 1]
+    assert draft_of([1, 2, 3, 4], 3, 1, 3) == []  # nothing recurs
+    assert draft_of([7], 3, 1, 3) == []
+    # A source within the last k tokens: the text repeats with that period, and so does the draft.
+    assert draft_of([4, 4], 3, 1, 3) == [4, 4, 4]
+    assert draft_of([1, 2, 1, 2, 1, 2], 5, 2, 2) == [1, 2, 1, 2, 1]
+    assert draft_of([3, 9, 4, 9], 3, 1, 3) == [4, 9, 4]  # only the 1-gram (9) recurs
+    assert draft_of([3, 9, 4, 9], 5, 2, 3) == []
+
+
+def test_the_index_scores_its_predictions_token_by_token() -> None:
+    tokens = [10, 11, 12, 13, 50, 10, 11, 12, 99]
+    index = NgramIndex(1, 3)
+    index.start(tokens, 5)  # the "prompt": nothing in it recurs
+    assert index.source == -1
+    # 10 recurs and predicts 11 (a hit); 10 11 predicts 12 (a hit); 10 11 12 predicts 13, but 99 comes.
+    assert index.advance(tokens, 9) == [False, True, True, False]
+    tokens.append(10)
+    assert index.advance(tokens, 10) == [False] and index.draft(tokens, 2) == [11, 12]
 
 
 def test_knob_errors_are_one_line() -> None:
@@ -56,67 +77,109 @@ def plain() -> LLM:
     return LLM("smollm2-135m")
 
 
-def test_lookups_that_gain_nothing_pause_for_longer_each_time_until_a_token_is_accepted() -> None:
-    # Pauses are counted in engine steps and end on a multiple of FIRST_PAUSE.
-    backoff = Backoff()
-    for _ in range(PATIENCE - 1):
-        backoff.gained(0, step=10)
-    assert backoff.resume_at == 0
-    backoff.gained(0, step=10)
-    assert backoff.resume_at == 32  # 10 + 16, on to the next multiple of 16
-    backoff.gained(0, step=40)  # after a pause, one fruitless look pauses again
-    assert backoff.resume_at == 80  # 40 + 2 x 16
-    for _ in range(20):
-        backoff.gained(0, step=100)
-    assert backoff.resume_at == 1136  # 100 + MAX_PAUSE, rounded up
-    assert MAX_PAUSE == 1024 and FIRST_PAUSE == 16
-    backoff.gained(2, step=200)  # an accepted token: PATIENCE misses again before the next pause
-    for _ in range(PATIENCE - 1):
-        backoff.gained(0, step=300)
-    assert backoff.resume_at == 1136
-    backoff.gained(0, step=300)
-    assert backoff.resume_at == 320
+MS = 1e-3
+# A device where a step that cannot overlap costs 20 % more at batch 1 and 30 % at batch 32, and
+# verifying drafts costs a little at batch 1 and much more at 32.
+COSTS = DraftCosts([StepTimes(1, overlapped=10 * MS, plain=12 * MS, verify={1: 13 * MS, 3: 15 * MS}),
+                    StepTimes(32, overlapped=20 * MS, plain=26 * MS, verify={1: 30 * MS, 3: 40 * MS})])
 
 
-def test_sequences_that_start_on_different_steps_look_on_the_same_steps_after_their_first_pause() -> None:
-    # Four sequences start decoding one step apart (a chunked prefill) and never find a draft:
-    # every step on which one of them looks cannot overlap, so aligned pauses share those steps.
-    drafter = PromptLookup(EngineConfig(model="dummy:tiny", prompt_lookup=True), max_model_len=4096)
-    params = SamplingParams(max_tokens=1000, temperature=1.0)
-    seqs = [Sequence(i, f"r{i}", list(range(100 * i + 5, 100 * i + 69)), params) for i in range(4)]
-    looked: dict[int, list[int]] = {i: [] for i in range(4)}
-    for _ in range(300):
-        drafter.tick()
-        for seq in seqs[:drafter.step]:  # sequence i starts on step i + 1
-            if drafter.will_look(seq):
-                assert drafter.propose(seq, 8) == []
-                looked[seq.seq_id].append(drafter.step)
-    first_rounds = {i: steps[:PATIENCE] for i, steps in looked.items()}
-    assert first_rounds[0] == [1, 2, 3, 4] and first_rounds[3] == [4, 5, 6, 7]
-    later = {i: steps[PATIENCE:] for i, steps in looked.items()}
-    # After the first pause each round is one look, on the same step for all four.
-    assert later[0] == later[1] == later[2] == later[3] == [32, 64, 128, 256]
-    sync_steps = {step for steps in looked.values() for step in steps}
-    assert len(sync_steps) == 7 + 4  # unaligned, every round would take 4 steps
+def test_the_break_even_is_the_verify_step_against_the_overlapped_one() -> None:
+    assert COSTS.break_even(1, 3) == pytest.approx(15 / 10 - 1)
+    assert COSTS.break_even(1, 1) == pytest.approx(13 / 10 - 1)
+    assert COSTS.break_even(32, 3) == pytest.approx(40 / 20 - 1)
+    # Between measured sizes the step times are interpolated; beyond the largest, its figures hold.
+    mid = COSTS.times(16)
+    assert mid.overlapped == pytest.approx(10 * MS + 10 * MS * 15 / 31)
+    assert COSTS.break_even(16, 3) == pytest.approx(mid.verify[3] / mid.overlapped - 1)
+    assert COSTS.break_even(64, 3) == pytest.approx(COSTS.break_even(32, 3))
+    price = COSTS.price(32)
+    assert (price.sync, price.first, price.extra) == pytest.approx((32 * 0.3, 0.2, 0.25))
+    [one, many] = COSTS.to_dict()
+    assert one["break_even_acceptance"] == pytest.approx(0.5 / 3)
+    assert many["verify_step_ms"] == {"1": pytest.approx(30), "3": pytest.approx(40)}
+    # On the CPU nothing overlaps: giving up overlap is free, verification is all a draft costs.
+    cpu = DraftCosts([StepTimes(1, overlapped=40 * MS, plain=40 * MS, verify={1: 44 * MS, 3: 52 * MS})])
+    assert cpu.price(1).sync == 0 and cpu.break_even(1, 3) == pytest.approx(0.3)
 
 
-def test_with_overlapped_decode_drafts_still_verify_and_a_pause_lets_steps_overlap() -> None:
+def test_a_sequence_drafts_the_length_that_gains_it_most() -> None:
+    price = COSTS.price(1)  # M(1) = 0.1, each further token 0.1
+    assert price.best(HitRates(), 3) == (0, 0.0)  # no hit seen yet: nothing expected
+    copying = HitRates(after_hit=0.95, after_miss=0.3, last_hit=True)
+    d, net = price.best(copying, 3)
+    assert d == 3 and net == pytest.approx(0.95 * (1 + 0.95 + 0.95 ** 2) - 0.3)
+    assert price.best(copying, 2)[0] == 2  # the room caps it
+    # Right after a miss the first token is a 30 % chance: worth three at batch 1 ...
+    after_miss = HitRates(after_hit=0.8, after_miss=0.3, last_hit=False)
+    assert price.best(after_miss, 3)[0] == 3
+    # ... and one at batch 32, where the first token's verification costs 0.2 and each further
+    # 0.25, more than the second's 0.3 x 0.8.
+    assert COSTS.price(32).best(after_miss, 3) == (1, pytest.approx(0.1))
+    assert COSTS.price(32).best(HitRates(after_hit=0.2, after_miss=0.1), 3) == (0, 0.0)
+
+
+def test_text_that_never_repeats_never_drafts_and_a_quoted_passage_drafts_at_once() -> None:
+    drafter = PromptLookup(EngineConfig(model="dummy:tiny", prompt_lookup=True), 8192, COSTS)
+    rng = np.random.default_rng(0)
+    passage = [int(t) for t in rng.integers(1000, 2000, 40)]
+    prompt = passage + [int(t) for t in rng.integers(2000, 100_000, 200)]
+    seq = Sequence(0, "r", prompt, SamplingParams(max_tokens=4000, temperature=0))
+    drafter.admit(seq)
+    for token in rng.integers(100_000, 200_000, 300):  # output that repeats nothing
+        assert not drafter.pays_to_sync([seq]) and drafter.propose(seq, 1, 8) == []
+        seq.token_ids.append(int(token))
+    assert drafter.counters.sync_steps == 0
+    # The output starts quoting the passage: after a hit or two the drafts pay, even at batch 32
+    # where every sequence copies alike, and they are the passage's next tokens.
+    first_sync = None
+    for i, token in enumerate(passage[:30]):
+        seq.token_ids.append(token)
+        if first_sync is None and drafter.pays_to_sync([seq] * 32):
+            first_sync = i
+    assert first_sync is not None and first_sync <= 3
+    assert drafter.propose(seq, 32, 8) == passage[30:33]
+    # When the quote ends the hits stop, and so do the drafts.
+    seq.token_ids += [int(t) for t in rng.integers(100_000, 200_000, 2)]
+    assert not drafter.pays_to_sync([seq]) and drafter.propose(seq, 1, 8) == []
+
+
+def test_the_probe_measures_the_batch_sizes_the_engine_can_hold_and_leaves_nothing_behind() -> None:
+    small = LLM("dummy:tiny", prompt_lookup=True, device="cpu", max_model_len=512, num_kv_blocks=40,
+                cpu_products="linear")
+    # A sequence of the probe holds 11 blocks (128 tokens of context and what it decodes): 8 do not fit.
+    assert [t.batch for t in small.engine.drafter.costs.measured] == [1]
+    roomy = LLM("dummy:tiny", prompt_lookup=True, device="cpu", max_model_len=512, max_num_seqs=8,
+                cpu_products="linear", enable_prefix_caching=True)
+    assert [t.batch for t in roomy.engine.drafter.costs.measured] == [1, 8]  # --max-num-seqs 8
+    engine = roomy.engine
+    assert engine.counters.steps == engine.counters.generation_tokens == engine.counters.requests_aborted == 0
+    assert engine.blocks.num_used_blocks == 0 and not engine.blocks.hash_to_block and engine.blocks.prefix_queries == 0
+    assert engine.requests == {} and engine.outputs.states == {} and engine.blocks.enable_prefix_caching
+
+
+def test_with_overlapped_decode_text_that_repeats_drafts_and_text_that_does_not_overlaps() -> None:
     # Random weights decode greedily into a loop, which prompt lookup drafts in full; sampled at
-    # temperature 1 they never repeat, so lookups gain nothing and back off.
+    # temperature 1 they never repeat, so no step gives up overlapping.
     prompt = [int(t) for t in np.random.default_rng(0).integers(5, 400, 64)]
     knobs = {"device": "cpu", "overlap_decode": "on", "max_model_len": 512, "cpu_products": "linear"}
     plain, spec = LLM("dummy:tiny", **knobs), LLM("dummy:tiny", prompt_lookup=True, **knobs)
+    assert spec.engine.counters.steps == 0 and spec.engine.blocks.num_used_blocks == 0  # the probe left nothing
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     [want], [got] = plain.generate(prompt, greedy), spec.generate(prompt, greedy)
     assert got.token_ids == want.token_ids
-    assert spec.engine.drafter.counters.accepted_tokens > 0 and spec.engine.counters.steps < 32
-    before = spec.engine.counters.steps, spec.engine.counters.overlapped_steps
+    counters = spec.engine.drafter.counters
+    assert counters.accepted_tokens > 0 and counters.sync_steps > 0 and spec.engine.counters.steps < 32
+    before = spec.engine.counters.steps, spec.engine.counters.overlapped_steps, counters.drafts, counters.sync_steps
     [sampled] = spec.generate(prompt, SamplingParams(max_tokens=160, temperature=1.0, seed=1, ignore_eos=True))
-    steps, overlapped = (now - was for now, was in zip((spec.engine.counters.steps,
-                                                         spec.engine.counters.overlapped_steps), before))
+    steps, overlapped, drafts, syncs = (now - was for now, was in zip(
+        (spec.engine.counters.steps, spec.engine.counters.overlapped_steps, counters.drafts, counters.sync_steps),
+        before))
     assert len(sampled.token_ids) == 160 and steps == 160
-    assert overlapped > 0.75 * steps
-    assert spec.engine.drafter._backoff == {}  # forgotten when the request finished
+    assert drafts == syncs == 0 and overlapped == steps - 2  # all but the prefill and the first decode step
+    assert spec.engine.drafter._tracked == {}  # forgotten when the request finished
+    stats = engine_stats(spec.engine, "tiny", 0.0)["spec_decode"]
+    assert stats["sync_steps"] == counters.sync_steps and stats["costs"][0]["batch"] == 1
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +203,21 @@ def test_greedy_output_is_plain_decodings(plain: LLM, spec: LLM) -> None:
     assert [c.token_ids for c in again] == want[-1:]
     assert all(c.num_cached_tokens > 0 for c in again)
     assert spec.engine.blocks.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_greedy_output_is_plain_decodings_with_overlapped_decode(plain: LLM) -> None:
+    """With overlap, a step that drafts first collects the step in flight: the drafts start after
+    a token that was still on the device when the step was planned."""
+    spec = LLM("smollm2-135m", prompt_lookup=True, overlap_decode="on")
+    chat = plain.tokenizer.apply_chat_template([{"role": "user", "content": "Name three fruits."}],
+                                               add_generation_prompt=True)
+    prompts = PROMPTS + [chat]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    assert [c.token_ids for c in spec.generate(prompts, params)] == want
+    counters = spec.engine.drafter.counters
+    assert counters.accepted_tokens > 0 and counters.sync_steps > 0 and spec.engine.counters.overlapped_steps > 0
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from lab.instruments.decode import DecodeInstrument, DecodeParams, spec_cells, spec_counters, steady_agg_tok_s
 from lab.instruments.decode_prompts import CATEGORIES
 from lab.instruments.receipt import Receipt
-from tests.instruments.speed_boot import dead_url
+from tests.engine.server_process import engine_server
+from tests.instruments.speed_boot import ENGINE_FLAGS, SpeedBench, dead_url
 
 MAX_TOKENS = 8
 
@@ -79,6 +80,24 @@ def test_a_dead_engine_is_a_step_error(bench) -> None:
     stored = bench.measure(DecodeInstrument(), {"levels": [2]}, salt="decode-dead", base_url=dead_url())
     (step,) = stored.steps
     assert step.status == "error" and "Connect" in step.error
+
+
+@pytest.mark.slow
+def test_at_c1_each_category_gets_its_own_acceptance(bench, tmp_path) -> None:
+    with engine_server(tmp_path, *ENGINE_FLAGS, "--prompt-lookup") as server:
+        stored = SpeedBench(bench.store, server).measure(DecodeInstrument(), {"levels": [1, 2], "max_tokens": 32},
+                                                         salt="decode-spec")
+    for run in (0, 1):
+        level = stored.cell("spec_acceptance", run, level=1)
+        by_category = [c for c in stored.of("category_spec_acceptance") if c.repeat == run]
+        assert by_category and all(c.params["level"] == 1 for c in by_category)
+        # Each cell is one stream's, of its category; the level's acceptance is their weighted mean.
+        for cell in by_category:
+            [stream] = stored.requests_of(cell)
+            assert CATEGORIES[cell.params["category"]][0] in stream.payload["messages"][1]["content"]
+        values = [c.value for c in by_category]
+        assert min(values) - 1e-9 <= level.value <= max(values) + 1e-9
+    assert not [c for c in stored.of("category_spec_acceptance") if c.params["level"] == 2]
 
 
 def test_speculative_counters_are_summed_over_label_sets() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.engine.core import cpu_threads, prompt_logprobs
+from lab.engine.core import cpu_threads, draft_probe, prompt_logprobs
 from lab.engine.core.config import ConfigError, EngineConfig
 from lab.engine.core.known_cost import KnownCost
 from lab.engine.core.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -76,19 +76,23 @@ class LLMEngine:
             self.caches.watch_file_tier(self.tiers.file)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                    config.prefix_cache_retention, self.tiers)
-        self.drafter = PromptLookup(config, self.max_model_len) if config.prompt_lookup else None
-        self.scheduler = Scheduler(config, self.blocks, self.drafter)
+        self.drafter: PromptLookup | None = None  # set once its costs are measured, below
+        self.scheduler = Scheduler(config, self.blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.counters = Counters()
         self._ids = itertools.count()
         self.overlap = overlap_enabled(config, self.device)
-        if self.drafter is not None and self.overlap:
-            log.info("prompt lookup is on: decode steps overlap only while no sequence looks for a draft")
-        if self.drafter is not None and self.runner.graphs is not None:
-            log.info("prompt lookup is on: steps that verify drafts run eagerly, the others replay CUDA graphs")
         self._inflight: InflightStep | None = None
         self.known_cost = KnownCost(config.inject_step_delay_ms, self.device)
+        if config.prompt_lookup:
+            costs = draft_probe.measure(self)
+            self.drafter = PromptLookup(config, self.max_model_len, costs)
+            log.info("prompt lookup is on; its step costs measured on this device: %s", costs.summary())
+            if self.overlap:
+                log.info("prompt lookup: a decode step gives up overlapping only where its drafts pay for that")
+            if self.runner.graphs is not None:
+                log.info("prompt lookup: steps that verify drafts run eagerly, the others replay CUDA graphs")
         self.load_seconds = time.monotonic() - started
         log.info("engine ready in %.1f s: %s on %s (%s), KV pool %d blocks x %d = %d tokens (%.1f MiB)",
                  self.load_seconds, config.model, self.device, str(self.dtype).removeprefix("torch."),
@@ -126,6 +130,8 @@ class LLMEngine:
             # On the engine's device, so that drawing a token never copies the distribution to the host.
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = seq
+        if self.drafter is not None:
+            self.drafter.admit(seq)
         self.scheduler.add(seq)
         return seq
 
@@ -151,11 +157,10 @@ class LLMEngine:
         is queued on the device and its tokens are read one call later, after the next step has
         been queued behind it, so the host's work (scheduling, inputs, outputs) hides behind the
         device's; a step that cannot overlap first collects the step in flight."""
-        if self.drafter is not None:
-            self.drafter.tick()
         plan = self.scheduler.schedule()
         inflight = self._inflight
-        if self.overlap and overlappable(plan, self.drafter):
+        if self.overlap and overlappable(plan) and not (
+                self.drafter is not None and self.drafter.pays_to_sync([s.seq for s in plan.scheduled])):
             trim_certain_finishers(plan, self.max_model_len)
             if plan.scheduled:
                 self.known_cost(overlapped=True)
@@ -180,6 +185,8 @@ class LLMEngine:
                 seq = self.scheduler.waiting[0]
                 raise RuntimeError(f"request {seq.request_id} cannot be scheduled with an empty engine")
             return outputs
+        if self.drafter is not None:
+            self.scheduler.add_drafts(plan, self.drafter)
         self.known_cost(overlapped=False)
         return outputs + self._run_sync(plan)
 
@@ -225,7 +232,7 @@ class LLMEngine:
         plain decode step would, so nothing past a stop is ever emitted."""
         seq = s.seq
         kept = len(verified) - 1
-        self.drafter.verified(seq, len(s.draft), kept)  # type: ignore[union-attr]
+        self.drafter.counters.record(len(s.draft), kept)  # type: ignore[union-attr]
         start = seq.num_computed_tokens
         appended = 0
         for token, lp in verified:

@@ -23,7 +23,6 @@ import torch
 from lab.engine.core.config import EngineConfig
 from lab.engine.core.scheduler import SchedulerOutput
 from lab.engine.core.sequence import Sequence
-from lab.engine.spec.prompt_lookup import PromptLookup
 
 
 def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
@@ -48,15 +47,15 @@ class InflightStep:
         return self.host_tokens.tolist()
 
 
-def overlappable(plan: SchedulerOutput, drafter: PromptLookup | None) -> bool:
+def overlappable(plan: SchedulerOutput) -> bool:
     """A pure decode step whose outputs need nothing but the sampled token (and whose logits
-    need no processing: penalties and grammars read the tokens still pending on the device)."""
+    need no processing: penalties and grammars read the tokens still pending on the device).
+    With prompt lookup, the engine also asks whether drafting in it would pay more than the
+    overlap: a draft is read off the sequence's tokens, which an overlapped step leaves pending."""
     return not plan.preempted and all(
         s.num_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens and s.samples
         and s.seq.params.logprobs is None and not s.seq.wants_prompt_logprobs
-        and not s.seq.params.needs_processing
-        # a draft is read off the sequence's tokens, which an overlapped step leaves pending
-        and (drafter is None or not drafter.will_look(s.seq)) for s in plan.scheduled)
+        and not s.seq.params.needs_processing for s in plan.scheduled)
 
 
 def trim_certain_finishers(plan: SchedulerOutput, max_model_len: int) -> None:

@@ -11,8 +11,9 @@ later (prompt plus the tokens it had generated).
 
 With prompt lookup on, a decoding sequence may carry a draft: its step computes the last known
 token plus the draft tokens (all counted against the budget, all given KV slots), and the model
-runner verifies them. A draft is cut to the budget and dropped before anything is preempted for
-its blocks."""
+runner verifies them. Drafts are added to a plan once its sequences' tokens are all on the host
+(`add_drafts`), from the budget the plan left; a draft is cut to it and dropped before anything is
+preempted for its blocks."""
 
 from __future__ import annotations
 
@@ -53,10 +54,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, drafter: PromptLookup | None = None) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.blocks = block_manager
-        self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -96,19 +96,14 @@ class Scheduler:
                 if want_prefill and not self._prefill_slot_free(prefills):
                     return
                 n = self._chunk(seq, budget)
-                draft = self._draft(seq, budget) if not want_prefill else []
-                if draft and not self.blocks.allocate(seq, n + len(draft)):
-                    draft = []
-                elif draft:
-                    n += len(draft)
-                while not draft and not self.blocks.allocate(seq, n):
+                while not self.blocks.allocate(seq, n):
                     victim = self.running[-1]
                     self._preempt(victim, out)
                     if victim is seq:
                         break
                 if seq.status is not Status.RUNNING:
                     continue  # seq preempted itself; the list shifted, keep the same index
-                out.scheduled.append(ScheduledSeq(seq, n, draft))
+                out.scheduled.append(ScheduledSeq(seq, n))
                 scheduled_ids.add(seq.seq_id)
                 budget -= n
                 prefills += want_prefill
@@ -151,10 +146,22 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_tokens != 1)
         return out
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        if self.drafter is None or seq.num_pending:
-            return []
-        return self.drafter.propose(seq, budget - 1)
+    def add_drafts(self, plan: SchedulerOutput, drafter: PromptLookup) -> None:
+        """Give the decoding sequences of `plan`, whose tokens must all be on the host, the drafts
+        that pay in a step that does not overlap, within the token budget the plan left."""
+        budget = self.config.max_num_batched_tokens - plan.num_tokens
+        batch = len(plan.scheduled)
+        for s in plan.scheduled:
+            if budget <= 0:
+                break
+            if s.num_tokens != 1 or not s.samples:
+                continue  # a prompt chunk
+            draft = drafter.propose(s.seq, batch, budget)
+            if draft and self.blocks.allocate(s.seq, 1 + len(draft)):
+                s.draft = draft
+                s.num_tokens += len(draft)
+                budget -= len(draft)
+        plan.scheduled.sort(key=lambda s: s.num_tokens != 1)
 
     def _lone_prompt(self) -> bool:
         """Whether this step's only possible work is one prompt's prefill (no decode, no other request)."""
