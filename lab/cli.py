@@ -374,6 +374,7 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
+    from lab.runner.errors import Interrupted
     from lab.store.db import open_store
     from lab.tune import confirm, study
     from lab.tune.spec import json_schema, load_tune
@@ -387,7 +388,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     tune, text = load_tune(args.tune)
     store = open_store(args.db)
     try:
-        outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker)
+        try:
+            outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker)
+        except Interrupted as exc:
+            name = exc.args[0] if exc.args else args.name or tune.name
+            _error(f"interrupted; study {name} goes on when `lab tune {args.tune}` is run again with the same "
+                   "--name and --db")
+            return 130
         console.print(f"study {outcome.study.study_name}: {outcome.complete} trials measured, {outcome.failed} "
                       "failed", highlight=False)
         if args.worker:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lab.ladder.engines import Launch
-from lab.runner.boot import EngineProcess
+from lab.runner import parent_death
+from lab.runner.boot import EngineProcess, stop_group
 from lab.store import writer
 from lab.store.db import Store
 
@@ -67,12 +68,16 @@ class ProcessControl:
             with open(self.proc.log_path, "ab") as engine_log:
                 engine_log.write(f"\n== lab engine bench: {' '.join(argv)}\n".encode())
                 engine_log.flush()
+                bench = parent_death.popen(argv, env=self.proc.env, stdin=subprocess.DEVNULL, stdout=engine_log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
                 try:
-                    done = subprocess.run(argv, env=self.proc.env, stdin=subprocess.DEVNULL, stdout=engine_log,
-                                          stderr=subprocess.STDOUT, timeout=3 * self.ready_timeout_s,
-                                          start_new_session=True)
-                    code = done.returncode
-                except subprocess.TimeoutExpired:
+                    code: int | None = bench.wait(3 * self.ready_timeout_s)
+                except BaseException as exc:
+                    # Timed out, or the lab is being stopped: the bench's group goes (SIGTERM, then SIGKILL).
+                    stop_group(bench.pid, self.stop_grace_s)
+                    bench.wait()
+                    if not isinstance(exc, subprocess.TimeoutExpired):
+                        raise
                     code = None
             figures = json.loads(out.read_text()) if code == 0 and out.exists() else None
         self._start_again()

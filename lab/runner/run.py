@@ -10,14 +10,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 from rich.console import Console
@@ -32,7 +28,7 @@ from lab.ladder.ladder import Ladder
 from lab.ladder.validate import load_ladder, parse_ladder
 from lab.runner import boot as engine_boot
 from lab.runner import fingerprint
-from lab.runner.errors import Interrupted, RunError
+from lab.runner.errors import Interrupted, RunError, stop_on_sigterm
 from lab.runner.slot import RunContext, run_slot
 from lab.store import reader, writer
 from lab.store.db import Store
@@ -117,7 +113,7 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
     writer.set_run_status(store, run.id, "running")
     columns = (SpinnerColumn(), TextColumn("[bold]{task.fields[boot]}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.description}"))
-    with _stop_on_sigterm(), Progress(*columns, console=console, transient=False) as progress:
+    with stop_on_sigterm(), Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("", total=len(pending), boot="boots")
         rc.status = lambda text: progress.update(task, description=text)
         try:
@@ -223,21 +219,3 @@ def _stop_left_behind(store: Store, run: RunRecord, grace_s: float) -> None:
         tail = engine_boot.log_tail(Path(boot.log_path)) if boot.log_path else None
         writer.update_boot(store, boot.id, status="interrupted", reason="lab run was killed during this boot",
                            log_tail=tail)
-
-
-@contextmanager
-def _stop_on_sigterm() -> Iterator[None]:
-    """SIGTERM to `lab run` stops the engine it owns and leaves the run resumable, like Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the engine's stop short
-        raise Interrupted()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
