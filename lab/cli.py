@@ -93,7 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _calibrate_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ladder", metavar="LADDER.yaml", help="the ladder whose key metrics to calibrate")
+    parser.add_argument("ladder", nargs="?", metavar="LADDER.yaml", help="the ladder whose key metrics to calibrate")
+    parser.add_argument("--resume", metavar="RUN", help="finish an interrupted calibration and measure its noise; "
+                                                        "no LADDER")
     parser.add_argument("--boots", type=int, default=7, metavar="N",
                         help="control boots in the A/A window (at least 3; default 7)")
     parser.add_argument("--name", help="name of the calibration run (default: <ladder>-calibration-<date>-<time>)")
@@ -110,10 +112,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from lab.store.db import open_store
 
     console = _console()
+    if bool(args.ladder) == bool(args.resume):
+        raise UsageError("give either LADDER.yaml or --resume RUN")
     store = open_store(args.db)
     try:
         try:
-            run, repeats = calibrate.create(store, args.ladder, args.boots, args.name, args.runs_dir)
+            run, repeats = (calibrate.resume(store, args.resume) if args.resume else
+                            calibrate.create(store, args.ladder, args.boots, args.name, args.runs_dir))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {args.db}")
@@ -133,8 +138,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                       f"{row['drift_pct']:.2f}", f"±{row['mde_pct']:.2f}")
     _console(stdout=True).print(table)
     if interrupted:
-        _error(f"calibration {run.name} interrupted: the noise above is from the control boots that finished"
-               if rows else f"calibration {run.name} interrupted before 3 warm control boots: no noise stored")
+        _error((f"calibration {run.name} interrupted: the noise above is from the control boots that finished"
+                if rows else f"calibration {run.name} interrupted before 3 warm control boots: no noise stored")
+               + f"; `lab calibrate --resume {run.name}` finishes it")
         return 130
     if not rows:
         _error(f"no key metric had 3 warm control boots; `lab ls {run.name}` shows what happened")

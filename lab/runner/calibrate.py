@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import yaml
 from lab.analysis import effects, verdicts
 from lab.analysis.stats import median_of_repeats, noise_band
 from lab.ladder.validate import load_ladder, parse_ladder
+from lab.runner.errors import RunError
 from lab.runner.run import create_from_text
 from lab.store import reader, writer
 from lab.store.db import Store
@@ -28,6 +30,8 @@ from lab.store.rows import RunRecord
 
 log = logging.getLogger("lab.calibrate")
 MIN_BOOTS = 3  # two controls bracket the third: one A/A effect
+# The derived ladder's first line ends with this and the original ladder's `repeats:`.
+REPEATS = "the ladder's repeats:"
 
 
 def create(store: Store, ladder_path: str | Path, boots: int, name: str | None,
@@ -47,10 +51,20 @@ def create(store: Store, ladder_path: str | Path, boots: int, name: str | None,
     data["hygiene"] = {**(data.get("hygiene") or {}), "warmup_boot": True}
     description = f"A/A calibration of {ladder.name} ({Path(ladder_path).name}), {boots} control boots"
     data["description"] = description
-    derived = f"# {description}; the ladder's repeats: {ladder.repeats}\n" + yaml.safe_dump(data, sort_keys=False)
+    derived = f"# {description}; {REPEATS} {ladder.repeats}\n" + yaml.safe_dump(data, sort_keys=False)
     run = create_from_text(store, parse_ladder(derived, f"{ladder_path} (calibration)"), derived, ladder_path,
                            name, runs_dir, stem=f"{ladder.name}-calibration")
     return run, ladder.repeats
+
+
+def resume(store: Store, ref: str) -> tuple[RunRecord, int]:
+    """A calibration run to finish (its boots still pending are booted, then its noise measured),
+    and the ladder's own `repeats:`, read back from the first line of the ladder it derived."""
+    run = reader.find_run(store, ref)
+    found = re.match(rf"# A/A calibration of .*; {re.escape(REPEATS)} (\d+)\n", run.ladder_text)
+    if found is None:
+        raise RunError(f"run {run.name} is not a calibration; `lab run --resume {run.name}` finishes it")
+    return run, int(found.group(1))
 
 
 def measure(store: Store, run_id: int, repeats: int, power: float = effects.POWER) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ from lab.runner import fingerprint
 from lab.runner.errors import Interrupted, RunError, stop_on_sigterm
 from lab.runner.slot import RunContext, run_slot
 from lab.store import reader, writer
-from lab.store.db import Store
+from lab.store.db import Store, StoreError
 from lab.store.rows import ArmRecord, RunRecord, SlotRecord
 
 log = logging.getLogger("lab.run")
@@ -61,17 +61,26 @@ def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str |
     taken = {r.name for r in reader.list_runs(store)}
     if name is not None and name in taken:
         raise RunError(f"a run named {name!r} exists; resume it with `lab run --resume {name}` or pick another --name")
+    chosen = name is not None
     if name is None:
         stem = name = f"{stem or ladder.name}-{datetime.now():%Y%m%d-%H%M%S}"
         n = 1
         while name in taken:  # two runs of one ladder within a second
             n += 1
             name = f"{stem}-{n}"
-    logs_dir = (Path(runs_dir) / name).resolve()
-    run_id = writer.create_run(store, name=name, ladder_name=ladder.name, ladder_path=str(Path(ladder_path).resolve()),
-                               ladder_text=text, sha256=hashlib.sha256(text.encode()).hexdigest(),
-                               engine_kind=ladder.engine.kind, logs_dir=str(logs_dir), plan=plan)
-    return reader.find_run(store, str(run_id))
+    while True:
+        try:
+            run_id = writer.create_run(store, name=name, ladder_name=ladder.name,
+                                       ladder_path=str(Path(ladder_path).resolve()), ladder_text=text,
+                                       sha256=hashlib.sha256(text.encode()).hexdigest(), engine_kind=ladder.engine.kind,
+                                       logs_dir=str((Path(runs_dir) / name).resolve()), plan=plan)
+            return reader.find_run(store, str(run_id))
+        except writer.NameTaken:  # another `lab run` stored a run of this name since it was looked up
+            if chosen:
+                raise RunError(f"a run named {name!r} exists; resume it with `lab run --resume {name}` or pick "
+                               "another --name") from None
+            n += 1
+            name = f"{stem}-{n}"
 
 
 # A boot may run this much longer than the longest of its kind so far (an arm can be the slow one).
@@ -88,6 +97,11 @@ def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float
         return _execute(store, run, console, time_budget_s)
     except RunError:
         raise  # refused before it started (another process owns it, another plan): nothing to mark
+    except StoreError as exc:
+        # The store refuses writes (a full disk, a read-only file): the run cannot even be marked. It
+        # stays as the store last had it, which `lab run --resume` reads as a run whose process is gone.
+        raise RunError(f"run {run.name} stopped: {exc}; once the store can be written, "
+                       f"`lab run --resume {run.name}` continues it") from exc
     except Exception as exc:
         # A bug or an exhausted host, not a request to stop: say so in the store, never "running".
         reason = _one_line(exc)

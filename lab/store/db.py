@@ -50,7 +50,13 @@ class Store:
         # A read-only PostgreSQL session: the server refuses any write, whatever the user may do.
         self.connect_args: dict[str, Any] = ({"options": "-c default_transaction_read_only=on"}
                                              if read_only and backend == "postgresql" else {})
-        self.engine: Engine = create_engine(url, connect_args=self.connect_args)
+        # pool_pre_ping: a connection a restarted PostgreSQL server dropped is replaced, not used.
+        self.engine: Engine = create_engine(url, connect_args=self.connect_args,
+                                            pool_pre_ping=backend == "postgresql")
+        if backend == "postgresql":
+            from lab.store.reconnect import retry_connects  # it imports this module
+
+            retry_connects(self.engine)
         if backend == "sqlite":
             event.listen(self.engine, "connect", functools.partial(_sqlite_pragmas, wal=not read_only))
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import optuna
 
 from lab.store.db import Store
+from lab.store.reconnect import retry_connects
 
 
 def study_storage(store: Store) -> optuna.storages.RDBStorage:
@@ -17,6 +18,8 @@ def study_storage(store: Store) -> optuna.storages.RDBStorage:
                                           engine_kwargs={"connect_args": store.connect_args})
     if store.postgresql:
         with store.lock("optuna schema"):
-            return optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True})
+            storage = optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True})
+        retry_connects(storage.engine)  # a server restarted between trials is waited for
+        return storage
     # The lab writes to the same SQLite file between Optuna's writes: wait for its lock, not fail.
     return optuna.storages.RDBStorage(store.url, engine_kwargs={"connect_args": {"timeout": 30}})

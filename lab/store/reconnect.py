@@ -1,0 +1,76 @@
+"""What the store does when its database goes away or refuses a write.
+
+A PostgreSQL server that restarts under a long `lab run` or `lab tune --worker` costs a wait, not
+the run: a connection found dead is replaced (SQLAlchemy's pre-ping), a new connection is tried
+again until the server is back (`retry_connects`), and a write whose transaction the restart cut
+is run again as a whole (`writes`), each for up to RECONNECT_S. Only a server that answered once
+is waited for: a store that was never reachable is refused at once. Every other failure to write
+(a full disk, a read-only file or user, a lock held past SQLite's busy timeout) is a StoreError
+in one line, which the commands report and stop on; nothing half-written is left, because each
+write is one transaction.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Callable, TypeVar
+
+from sqlalchemy import Engine, event
+from sqlalchemy.exc import DBAPIError, IntegrityError
+
+from lab.store.db import Store, StoreError
+
+log = logging.getLogger("lab.store")
+RECONNECT_S = 120.0  # how long a restarting server is waited for
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def writes(fn: F) -> F:
+    """A writer function (its first argument the Store) that is one transaction: run again whole when
+    a PostgreSQL restart cut it, and any other database failure raised as a one-line StoreError."""
+    @functools.wraps(fn)
+    def wrapper(store: Store, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + RECONNECT_S
+        pause = 0.2
+        while True:
+            try:
+                return fn(store, *args, **kwargs)
+            except IntegrityError:
+                raise  # a second copy of a unique row: the caller's to judge
+            except DBAPIError as exc:
+                if not (store.postgresql and exc.connection_invalidated) or time.monotonic() + pause > deadline:
+                    raise StoreError(f"cannot write the store: {_one_line(exc)}") from exc
+                log.warning("the store's connection was lost (%s); writing again", _one_line(exc))
+                time.sleep(pause)
+                pause = min(2 * pause, 5.0)
+    return wrapper  # type: ignore[return-value]
+
+
+def retry_connects(engine: Engine) -> None:
+    """New connections of `engine` are tried again for up to RECONNECT_S while the server refuses
+    them, once one has succeeded: a server that answered before is restarting, not misnamed."""
+    answered = [False]
+
+    @event.listens_for(engine, "do_connect")
+    def connect(dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+        deadline = time.monotonic() + RECONNECT_S
+        pause = 0.2
+        while True:
+            try:
+                connection = dialect.loaded_dbapi.connect(*cargs, **cparams)
+                answered[0] = True
+                return connection
+            except dialect.loaded_dbapi.OperationalError as exc:
+                if not answered[0] or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("the store's server does not answer (%s); trying again", _one_line(exc))
+                time.sleep(pause)
+                pause = min(2 * pause, 5.0)
+
+
+def _one_line(exc: BaseException) -> str:
+    inner = getattr(exc, "orig", None) or exc
+    text = " ".join(str(inner).split())
+    return f"{type(inner).__name__}: {text}"[:300]
