@@ -572,7 +572,8 @@ def _console(stdout: bool = False):  # -> rich.console.Console
 def _error(message: str) -> None:
     from rich.markup import escape
 
-    _console().print(f"[bold red]lab:[/] {escape(message)}", highlight=False)
+    # soft_wrap: one line however long, so a script or a CI log gets the whole message on it.
+    _console().print(f"[bold red]lab:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def _setup_logging(verbose: int) -> None:

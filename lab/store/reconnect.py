@@ -4,10 +4,10 @@ A PostgreSQL server that restarts under a long `lab run` or `lab tune --worker` 
 the run: a connection found dead is replaced (SQLAlchemy's pre-ping), a new connection is tried
 again until the server is back (`retry_connects`), and a write whose transaction the restart cut
 is run again as a whole (`writes`), each for up to RECONNECT_S. Only a server that answered once
-is waited for: a store that was never reachable is refused at once. Every other failure to write
-(a full disk, a read-only file or user, a lock held past SQLite's busy timeout) is a StoreError
-in one line, which the commands report and stop on; nothing half-written is left, because each
-write is one transaction.
+is waited for: a store that was never reachable is refused at once. Two processes writing one
+SQLite file take turns the same way. Every other failure to write (a full disk, a read-only file
+or user) is a StoreError in one line, which the commands report and stop on; nothing
+half-written is left, because each write is one transaction.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def writes(fn: F) -> F:
             except IntegrityError:
                 raise  # a second copy of a unique row: the caller's to judge
             except DBAPIError as exc:
-                if not (store.postgresql and exc.connection_invalidated) or time.monotonic() + pause > deadline:
+                if not _transient(store, exc) or time.monotonic() + pause > deadline:
                     raise StoreError(f"cannot write the store: {_one_line(exc)}") from exc
-                log.warning("the store's connection was lost (%s); writing again", _one_line(exc))
+                log.warning("the store did not take a write (%s); writing again", _one_line(exc))
                 time.sleep(pause)
                 pause = min(2 * pause, 5.0)
     return wrapper  # type: ignore[return-value]
@@ -68,6 +68,15 @@ def retry_connects(engine: Engine) -> None:
                 log.warning("the store's server does not answer (%s); trying again", _one_line(exc))
                 time.sleep(pause)
                 pause = min(2 * pause, 5.0)
+
+
+def _transient(store: Store, exc: DBAPIError) -> bool:
+    """A failure that writing again, whole, gets past: a PostgreSQL connection a restart cut, or
+    SQLite's "database is locked", which it answers at once, without waiting out its busy timeout,
+    when a transaction that read must become a writer after another process wrote."""
+    if store.postgresql:
+        return exc.connection_invalidated
+    return "database is locked" in str(exc)
 
 
 def _one_line(exc: BaseException) -> str:

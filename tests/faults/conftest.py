@@ -118,13 +118,19 @@ def gone_within(pid: int, seconds: float) -> bool:
 
 
 @pytest.fixture(scope="session")
-def expected_keys(tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
-    """The cell keys of BODY run once without a fault: what every faulted run must end with."""
+def unfaulted_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store of BODY run once as run `r`, without a fault."""
     cwd = tmp_path_factory.mktemp("unfaulted")
     path = stub_ladder(cwd, BODY.replace("delay_s: 0.5", "delay_s: 0"))
     code, out = run(["run", str(path), "--name", "r"], cwd)
     assert code == 0, out
-    got = keys(cwd / "lab.db")
+    return cwd / "lab.db"
+
+
+@pytest.fixture(scope="session")
+def expected_keys(unfaulted_db: Path) -> list[tuple]:
+    """The cell keys every faulted run of BODY must end with."""
+    got = keys(unfaulted_db)
     assert len(got) == len(set(got)) == CELLS
     return got
 
