@@ -380,8 +380,10 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
+    import optuna
+
     from lab.runner.errors import Interrupted
-    from lab.store.db import open_store
+    from lab.store.db import StoreError, open_store
     from lab.tune import confirm, study
     from lab.tune.spec import json_schema, load_tune
 
@@ -401,6 +403,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
             _error(f"interrupted; study {name} goes on when `lab tune {args.tune}` is run again with the same "
                    "--name and --db")
             return 130
+        except optuna.exceptions.StorageInternalError as exc:
+            # Optuna's own message blames the data; the database's error is the cause.
+            cause = exc.__cause__ or exc
+            raise StoreError(f"the study's store failed: {type(cause).__name__}: {' '.join(str(cause).split())}"
+                             f"; `lab tune {args.tune}` run again goes on") from exc
         console.print(f"study {outcome.study.study_name}: {outcome.complete} trials measured, {outcome.failed} "
                       "failed", highlight=False)
         if args.worker:
