@@ -2,7 +2,8 @@
 by benchmarks/overload.py as a user runs it (the fault suite's overload case, docs/faults.md): the requests it queues need at least twice the pool,
 and more arrive than its queue takes. Every request is served in full or refused with an OpenAI
 error, 503 with Retry-After (a stream too, before its response starts); none hangs; the KV pool is
-never overrun; /v1/stats counts the queue, the preemptions and the refusals."""
+never overrun and the process holds no more memory than after one request; /v1/stats counts the
+queue, the preemptions and the refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.benchmarks.scripts import BENCHMARKS, ROOT
@@ -30,11 +32,19 @@ FLAGS = ("--model", "smollm2-135m", "--device", "cpu", "--dtype", "float32", "--
 def test_requests_twice_the_kv_pool_are_served_or_refused_with_retry_after_and_none_hangs(tmp_path: Path) -> None:
     out = tmp_path / "overload.json"
     with engine_server(tmp_path, *FLAGS, timeout=300) as server:
+        # One request of the same shape first: what the process holds once it has served one.
+        warm = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": "smollm2-135m", "prompt": list(range(1000, 1000 + PROMPT)), "max_tokens": MAX_TOKENS})
+        assert warm.status_code == 200
+        rss_warm = server.stats()["rss_bytes"]
         done = subprocess.run([sys.executable, str(BENCHMARKS / "overload.py"), "--url", server.url, "--requests", "6",
                                "--streams", "3", "--prompt-tokens", str(PROMPT), "--max-tokens", str(MAX_TOKENS),
                                "--timeout", "300", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=400)
+        rss_after = server.stats()["rss_bytes"]
     assert done.returncode == 0, done.stdout + done.stderr  # no rule of the script's was broken
+    # Queueing, preempting and refusing cost the process no memory beyond what one request took.
+    assert rss_after - rss_warm < 64 << 20, (rss_warm, rss_after)
     report = json.loads(out.read_text())
     assert report["violations"] == [] and report["requests"] == 9
     assert report["served"] >= 1 and report["refused"] >= 1 and report["refused_streams"] >= 1
