@@ -115,10 +115,11 @@ class EngineProcess:
         """Ready means a real completion was answered; /health alone proves only that HTTP is up.
         An engine that exits while a probe is in flight is noticed at once, even when something
         else holds its port and never answers."""
-        return asyncio.run(self._wait_ready(api_base, model, api_key, timeout_s, on_poll, poll_s))
+        return asyncio.run(self.await_ready(api_base, model, api_key, timeout_s, on_poll, poll_s))
 
-    async def _wait_ready(self, api_base: str, model: str, api_key: str | None, timeout_s: float,
-                          on_poll: Callable[[float, str], None] | None, poll_s: float) -> Ready:
+    async def await_ready(self, api_base: str, model: str, api_key: str | None, timeout_s: float,
+                          on_poll: Callable[[float, str], None] | None = None, poll_s: float = 0.5) -> Ready:
+        """`wait_ready` inside a running event loop."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         last = "no answer yet"

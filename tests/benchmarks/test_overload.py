@@ -1,9 +1,9 @@
-"""The bundled server under overload, on the CPU with SmolLM2 and a KV pool of 256 tokens, driven
-by benchmarks/overload.py as a user runs it (the fault suite's overload case, docs/faults.md): the requests it queues need at least twice the pool,
-and more arrive than its queue takes. Every request is served in full or refused with an OpenAI
-error, 503 with Retry-After (a stream too, before its response starts); none hangs; the KV pool is
-never overrun and the process holds no more memory than after one request; /v1/stats counts the
-queue, the preemptions and the refusals."""
+"""The bundled server under overload (the fault suite's overload case, docs/faults.md), on the CPU
+with SmolLM2 and a KV pool of 256 tokens, driven by benchmarks/overload.py as a user runs it: the
+requests it queues need at least twice the pool, and more arrive than its queue takes. Every
+request is served in full or refused with an OpenAI error, 503 with Retry-After (a stream too,
+before its response starts); none hangs; the KV pool is never overrun and the process holds no
+more memory than after one request; /v1/stats counts the queue, the preemptions and the refusals."""
 
 from __future__ import annotations
 

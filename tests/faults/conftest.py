@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from lab.store import models as m
 from lab.store.db import open_store
-from tests.lab.conftest import lab, lab_process, stub_ladder  # noqa: F401 - `lab`: the in-process fixture
+from tests.lab.conftest import lab_process, stub_ladder
 from tests.lab.test_resume import cell_keys, stop_left_engines
 
 # Three measured boots (C0ctl, A1, C0ctl), each three pings and a memory floor: 12 cells. A ping

@@ -97,7 +97,7 @@ TUNE = """\
     """
 
 
-def worker(tmp_path: Path, url: str, study: str) -> tuple[object, Path]:
+def worker(tmp_path: Path, url: str, study: str) -> tuple[subprocess.Popen[bytes], Path]:
     """`lab tune --worker` on the server, its engines held before they listen until the gate goes."""
     gate = tmp_path / "gate"
     gate.touch()
@@ -109,8 +109,8 @@ def worker(tmp_path: Path, url: str, study: str) -> tuple[object, Path]:
 def booting(server: Server, study: str) -> bool:
     """Whether a trial of `study` has an engine started and not yet ready."""
     try:
-        return bool(server.sql(f"SELECT 1 FROM boot JOIN tune_trial ON tune_trial.run_id = boot.run_id "
-                               f"WHERE tune_trial.study = '{study}' AND boot.status = 'starting' AND boot.pid IS NOT NULL"))
+        return bool(server.sql(f"SELECT 1 FROM boot JOIN tune_trial ON tune_trial.run_id = boot.run_id WHERE "
+                               f"tune_trial.study = '{study}' AND boot.status = 'starting' AND boot.pid IS NOT NULL"))
     except psycopg.Error:
         return False  # the lab has not created its tables yet
 

@@ -155,7 +155,8 @@ CHILD = """\
 import sys, threading, time
 from lab.runner import parent_death
 started = []
-worker = threading.Thread(target=lambda: started.append(parent_death.popen([sys.executable, "-c", "import time; time.sleep(600)"])))
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+worker = threading.Thread(target=lambda: started.append(parent_death.popen(sleeper)))
 worker.start(); worker.join()  # the thread that started the child is gone
 print(started[0].pid, flush=True)
 time.sleep(600)
