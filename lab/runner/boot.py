@@ -23,7 +23,7 @@ import httpx
 import psutil
 
 from lab.engine.settings import ENV_PREFIX
-from lab.runner import parent_death
+from lab.runner.parent_death import dies_with_parent
 
 LOG_TAIL_LINES = 50
 # How often a readiness probe in flight looks whether the engine has exited meanwhile.
@@ -72,9 +72,11 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # A list argv, no shell: what is stored is exactly what ran. The engine gets SIGTERM
-            # from the kernel if the lab dies without stopping it (parent_death).
-            self.proc = parent_death.popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
+            # from the kernel if the lab dies without stopping it (parent_death): started on the
+            # lab's main thread, which lives as long as the lab.
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=dies_with_parent(signal.SIGTERM))
         self.started_ns = time.perf_counter_ns()
         try:  # read now: once the engine has exited and been reaped, its pid tells nothing
             self._created = psutil.Process(self.proc.pid).create_time()

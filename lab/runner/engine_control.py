@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import subprocess
 import tempfile
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lab.ladder.engines import Launch
-from lab.runner import parent_death
+from lab.runner.parent_death import dies_with_parent
 from lab.runner.boot import EngineProcess, stop_group
 from lab.store import writer
 from lab.store.db import Store
@@ -61,8 +62,9 @@ class ProcessControl:
             with open(self.proc.log_path, "ab") as engine_log:
                 engine_log.write(f"\n== lab engine bench: {' '.join(argv)}\n".encode())
                 engine_log.flush()
-                bench = parent_death.popen(argv, env=self.proc.env, stdin=subprocess.DEVNULL, stdout=engine_log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
+                bench = subprocess.Popen(argv, env=self.proc.env, stdin=subprocess.DEVNULL, stdout=engine_log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=dies_with_parent(signal.SIGTERM))
                 try:
                     code: int | None = await asyncio.wait_for(_exit_status(bench), 3 * self.ready_timeout_s)
                 except asyncio.TimeoutError:

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select
 
 from lab.runner import boot as engine_boot
-from lab.runner import parent_death
+from lab.runner.parent_death import dies_with_parent
 from lab.store import models as m
 from tests.faults.conftest import (boot_of, finish, gone_within, keys, ladder, query, run, start, steps_stored,
                                    wait_for)
@@ -100,7 +100,8 @@ def _thief(kind: str) -> tuple[subprocess.Popen[bytes], int]:
                 "s.listen(64); time.sleep(600)", str(port)]
     else:
         argv = [sys.executable, str(STUB), "--port", str(port), "--model", "stub"]
-    proc = parent_death.popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=dies_with_parent(signal.SIGTERM))
 
     def listening() -> bool:
         with socket.socket() as probe:
@@ -116,11 +117,12 @@ def test_a_port_taken_before_the_engine_listens_is_a_failed_attempt_and_the_slot
     thief, port = _thief(kind)
     try:
         began = time.monotonic()
-        lab = parent_death.popen([sys.executable, "-m", "tests.faults.lab_port_race", "run",
-                                  str(ladder(tmp_path, ready_timeout_s=60)), "--name", "r"],
-                                 cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO),
-                                                    "LAB_TEST_TAKEN_PORT": str(port)},
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        lab = subprocess.Popen([sys.executable, "-m", "tests.faults.lab_port_race", "run",
+                                str(ladder(tmp_path, ready_timeout_s=60)), "--name", "r"],
+                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO),
+                                                  "LAB_TEST_TAKEN_PORT": str(port)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               preexec_fn=dies_with_parent(signal.SIGTERM))
         code, out = finish(lab)
         assert code == 0, out
         assert time.monotonic() - began < 45  # nothing waited for the 60 s ready timeout

@@ -5,7 +5,6 @@ engine with it: the kernel sends the engine SIGTERM (lab/runner/parent_death.py)
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,9 +18,8 @@ from sqlalchemy import select
 
 from lab.store import models as m
 from lab.store.db import open_store
-from lab.runner import parent_death
 from tests.faults.conftest import BODY, boot_of, finish, gone_within, keys, ladder, query, run, start, wait_for
-from tests.lab.conftest import REPO, STUB, stub_ladder
+from tests.lab.conftest import STUB, stub_ladder
 
 SIGNALS = [signal.SIGTERM, signal.SIGINT]
 
@@ -149,30 +147,3 @@ def test_lab_run_killed_outright_takes_its_engine_with_it(tmp_path: Path, expect
     assert keys(db) == expected_keys
     [[status, reason]] = query(db, select(m.Boot.status, m.Boot.reason).where(m.Boot.id == engine.id))
     assert (status, reason) == ("interrupted", "lab run was killed during this boot")
-
-
-CHILD = """\
-import sys, threading, time
-from lab.runner import parent_death
-started = []
-sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
-worker = threading.Thread(target=lambda: started.append(parent_death.popen(sleeper)))
-worker.start(); worker.join()  # the thread that started the child is gone
-print(started[0].pid, flush=True)
-time.sleep(600)
-"""
-
-
-def test_a_child_started_on_a_thread_that_ended_lives_until_the_lab_dies(tmp_path: Path) -> None:
-    """The kernel's parent-death signal follows the thread that forked: the lab forks on a thread
-    that lives as long as it, so a child started from a short-lived thread (an instrument's
-    `asyncio.to_thread`) is not stopped when that thread ends, and is when the lab dies."""
-    lab = parent_death.popen([sys.executable, "-c", CHILD], cwd=tmp_path, stdout=subprocess.PIPE,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        pid = int(lab.stdout.readline())
-        assert not gone_within(pid, 1), "the child died with the thread that started it"
-    finally:
-        lab.kill()
-        lab.wait()
-    assert gone_within(pid, 5), "the child outlived the process that started it"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from lab.runner import parent_death
+from lab.runner.parent_death import dies_with_parent
 from lab.store.db import Store, open_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,9 +23,9 @@ def run_ladder(cwd: Path, ladder: str, name: str, timeout: float, controls_only:
     command = (["sweep", f"{name}.yaml", "--label", name, "--control-only"] if controls_only
                else ["run", f"{name}.yaml"])
     # The kernel sends `lab` SIGTERM if this test process dies, and `lab` stops its engine on it.
-    lab = parent_death.popen([sys.executable, "-m", "lab", *command, "--name", name], cwd=cwd,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    lab = subprocess.Popen([sys.executable, "-m", "lab", *command, "--name", name], cwd=cwd,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, preexec_fn=dies_with_parent(signal.SIGTERM))
     try:
         out, _ = lab.communicate(timeout=timeout)
     finally:

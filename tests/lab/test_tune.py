@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from lab.cli import main as lab_main
-from lab.runner import parent_death
+from lab.runner.parent_death import dies_with_parent
 from lab.store import models as m
 from lab.store.db import open_store
 from tests.instruments.ladder_run import REPO
@@ -55,9 +55,9 @@ def tuned(tmp_path_factory: pytest.TempPathFactory):
     cwd = tmp_path_factory.mktemp("tune")
     (cwd / "quicktest.yaml").write_text(textwrap.dedent(TUNE))
     db = cwd / "lab.db"
-    first = parent_death.popen([sys.executable, "-m", "lab", "tune", "quicktest.yaml"], cwd=cwd,
-                               env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    first = subprocess.Popen([sys.executable, "-m", "lab", "tune", "quicktest.yaml"], cwd=cwd,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, preexec_fn=dies_with_parent(signal.SIGTERM))
     try:
         orphan = _wait_for_engine(first, db)
         first.send_signal(signal.SIGKILL)
