@@ -5,10 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # llama.cpp's server for `make test-engines`, in its own venv. Built from source once per machine
-# and the wheel cached in $(WHEELS). Portable build with AMX off: the default (-march=native) build
-# crashes with SIGSEGV in an AMX kernel on the EPYC this project runs on, for every prompt of 2 or
-# more tokens. LLAVA_BUILD=OFF leaves out the multimodal library (50 of 178 compiled objects):
-# text models do not load it.
+# and the wheel cached in $(WHEELS). A portable build, since the cached wheel moves between hosts:
+# AMX off (AMX is an Intel Xeon feature, and the default -march=native build crashed with SIGSEGV
+# in an AMX kernel for every prompt of 2 or more tokens) and AVX-512 off (the AMD EPYC and Intel
+# Xeon hosts this runs on differ in it), so on a host with AVX-512 or VNNI llama.cpp runs its AVX2
+# kernels: a gap against its best build that the like-for-like figures state. LLAVA_BUILD=OFF
+# leaves out the multimodal library (50 of 178 compiled objects): text models do not load it.
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AMX=OFF -DGGML_AVX512=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAVA_BUILD=OFF

@@ -6,6 +6,8 @@ boot follow from the step alone and everything else a ladder sees is the host's 
 known-effect knob, `--inject-step-delay-ms`, lengthens every tick that has work by exactly that
 much (as the bundled engine's knob of the same name does), so an arm with a true slowdown of
 delay / step is possible. `--noop` changes nothing: arms that set it are A/A arms.
+`--interrupt-requests` makes it serve one request at a time as llama-cpp-python's server does by
+default: a request that arrives ends every stream in progress (finish_reason "stop").
 
 Booted by `lab run` as a `command` engine (benchmarks/ladders/scripted-*.yaml):
     python benchmarks/scripted_engine.py --port PORT [--step-ms 10] [--inject-step-delay-ms 0.5]
@@ -36,14 +38,20 @@ log = logging.getLogger("scripted_engine")
 class Stepper:
     """The engine loop: every tick hands one token to each running stream."""
 
-    def __init__(self, step_s: float, delay_s: float) -> None:
+    def __init__(self, step_s: float, delay_s: float, interrupt: bool = False) -> None:
         self.step_s = step_s
         self.delay_s = delay_s
+        self.interrupt = interrupt
         self.running: set[asyncio.Queue[int]] = set()
         self._work = asyncio.Event()
 
     def join(self) -> asyncio.Queue[int]:
+        """A new stream's queue of tokens (1 each); 0 tells a stream it was interrupted."""
         queue: asyncio.Queue[int] = asyncio.Queue()
+        if self.interrupt:
+            for other in self.running:
+                other.put_nowait(0)
+            self.running.clear()
         self.running.add(queue)
         self._work.set()
         return queue
@@ -65,8 +73,8 @@ class Stepper:
                 queue.put_nowait(1)
 
 
-def build(step_ms: float, delay_ms: float, model: str) -> Starlette:
-    stepper = Stepper(step_ms / 1e3, delay_ms / 1e3)
+def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False) -> Starlette:
+    stepper = Stepper(step_ms / 1e3, delay_ms / 1e3, interrupt)
 
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
@@ -82,14 +90,17 @@ def build(step_ms: float, delay_ms: float, model: str) -> Starlette:
         kind = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             queue = stepper.join()
+            got = 0
             try:
-                for _ in range(n):
-                    await queue.get()
+                while got < n and await queue.get():
+                    got += 1
             finally:
                 stepper.leave(queue)
-            text = "".join(f"t{i} " for i in range(n))
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                      if chat else {"index": 0, "text": text, "finish_reason": "length"})
+            text = "".join(f"t{i} " for i in range(got))
+            finish = "length" if got == n else "stop"
+            usage = {**usage, "completion_tokens": got, "total_tokens": usage["prompt_tokens"] + got}
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                      if chat else {"index": 0, "text": text, "finish_reason": finish})
             return JSONResponse({"id": "x", "object": kind, "model": model, "choices": [choice], "usage": usage})
 
         def event(text: str | None, finish: str | None, with_usage: bool = False) -> str:
@@ -106,7 +117,10 @@ def build(step_ms: float, delay_ms: float, model: str) -> Starlette:
             queue = stepper.join()
             try:
                 for i in range(n):
-                    await queue.get()
+                    if not await queue.get():
+                        usage.update(completion_tokens=i, total_tokens=usage["prompt_tokens"] + i)
+                        yield event("", "stop")  # interrupted by a newer request
+                        break
                     yield event(f"t{i} ", "length" if i == n - 1 else None)
             finally:
                 stepper.leave(queue)
@@ -133,11 +147,14 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0, help="engine step: one token per running stream")
     parser.add_argument("--inject-step-delay-ms", type=float, default=0.0, help="added to every step with work")
     parser.add_argument("--noop", default="", help="changes nothing (A/A arms)")
+    parser.add_argument("--interrupt-requests", action="store_true",
+                        help="serve one request at a time: a new request ends the streams in progress")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     log.info("scripted engine: step %.3f ms + injected %.3f ms, noop=%r", args.step_ms, args.inject_step_delay_ms,
              args.noop)
-    uvicorn.run(build(args.step_ms, args.inject_step_delay_ms, args.model), host="127.0.0.1", port=args.port,
+    uvicorn.run(build(args.step_ms, args.inject_step_delay_ms, args.model, args.interrupt_requests),
+                host="127.0.0.1", port=args.port,
                 log_level="warning")
 
 

@@ -6,11 +6,15 @@ Handlers import what they need when they run, so `lab --help` stays fast and nev
 from __future__ import annotations
 
 import argparse
+import shlex
 import functools
 import math
 import logging
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from lab.runner.calibrate import Calibration
 
 DEFAULT_DB = "lab.db"
 
@@ -18,7 +22,8 @@ DEFAULT_DB = "lab.db"
 def _db_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=DEFAULT_DB, metavar="PATH|URL",
                         help="the store: a SQLite file (commands that only read also take one compressed with xz, "
-                             f"X.db.xz) or any SQLAlchemy URL (default: ./{DEFAULT_DB})")
+                             "X.db.xz) or a PostgreSQL URL, postgresql://user:password@host/db (printed with its "
+                             f"password masked) (default: ./{DEFAULT_DB})")
 
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +33,9 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="name of the new run (default: <ladder name>-<date>-<time>)")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
     parser.add_argument("--dry-run", action="store_true", help="validate the ladder and print its boots; run nothing")
+    parser.add_argument("--calibrate", type=int, metavar="N",
+                        help="first boot the control N times after a warm-up (`lab calibrate --boots N`), then run "
+                             "the ladder and judge it with that noise (default: the ladder's keep.calibrate)")
     _time_budget_arg(parser)
     _db_arg(parser)
 
@@ -53,27 +61,54 @@ EXIT_OUT_OF_TIME = 75
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import time
+
     from lab.analysis.verdicts import key_figure_missing
     from lab.ladder import render
+    from lab.ladder.engines import kind_of
     from lab.ladder.validate import load_ladder
     from lab.report.listing import print_plan
+    from lab.runner import calibrate
     from lab.runner.run import create, execute, resume
-    from lab.store.db import open_store
+    from lab.store.db import open_store, shown
 
     console = _console()
     if bool(args.ladder) == bool(args.resume):
         raise UsageError("give either LADDER.yaml or --resume RUN")
+    if args.resume and args.calibrate is not None:
+        raise UsageError("--calibrate starts a new run; a resumed run is judged with the newest calibration stored")
+    ladder = load_ladder(args.ladder)[0] if args.ladder else None
+    boots = args.calibrate if args.calibrate is not None else ladder.keep.calibrate if ladder else None
+    if boots is not None and not calibrate.MIN_BOOTS <= boots <= calibrate.MAX_BOOTS:
+        raise UsageError(f"--calibrate {boots}: a calibration boots the control {calibrate.MIN_BOOTS} to "
+                         f"{calibrate.MAX_BOOTS} times")
     if args.dry_run:
-        if not args.ladder:
+        if not ladder:
             raise UsageError("--dry-run needs LADDER.yaml")
-        ladder, _ = load_ladder(args.ladder)
-        print_plan(_console(stdout=True), render.plan(ladder))
+        plan = render.plan(ladder)
+        kind = kind_of(ladder.engine)
+        # What each arm would run, its environment first; the port is chosen at each boot.
+        commands = {arm.name: shlex.join([*(f"{k}={v}" for k, v in sorted(launch.env.items())), *launch.argv])
+                    for arm in plan.arms for launch in [kind.launch(arm, "{port}")]}
+        out = _console(stdout=True)
+        if boots:
+            out.print(f"first a calibration: a warm-up, then {boots} boots of {ladder.windows[0].control_name} "
+                      f"(`lab calibrate --boots {boots}`); then:", highlight=False)
+        print_plan(out, plan, ladder, commands)
         return 0
+    began = time.monotonic()
     store = open_store(args.db)
     try:
+        if boots:
+            done = calibrate.run_calibration(store, args.ladder, boots, console, runs_dir=args.runs_dir,
+                                             time_budget_s=args.time_budget)
+            _print_noise(done)
+            if done.stopped or not done.rows:
+                return _calibration_stopped(done, args)
+        budget = None if args.time_budget is None else args.time_budget - (time.monotonic() - began)
         run = resume(store, args.resume) if args.resume else create(store, args.ladder, args.name, args.runs_dir)
-        console.print(f"run [bold]{run.name}[/] (id {run.id}) → {args.db}; boot logs in {run.logs_dir}")
-        outcome = execute(store, run, console, args.time_budget)
+        console.print(f"run [bold]{run.name}[/] (id {run.id}) → {shown(args.db)}; boot logs in {run.logs_dir}")
+        outcome = execute(store, run, console, budget, db=args.db)
         missing = key_figure_missing(store, outcome.run_id) if outcome.boots and not outcome.out_of_time else None
     finally:
         store.close()
@@ -92,11 +127,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration_stopped(done: Calibration, args: argparse.Namespace) -> int:
+    """The ladder is not run after a calibration that stopped early or measured nothing: say what was
+    kept and what runs it."""
+    kept = ("the noise above, from the control boots that finished, is stored: `lab run "
+            f"{args.ladder} --db {args.db}` judges with it") if done.rows else "no noise was stored"
+    if done.stopped == "interrupted":
+        _error(f"calibration {done.run.name} interrupted before the ladder ran; {kept}")
+        return 130
+    if done.stopped:
+        _error(f"calibration {done.run.name} stopped: {done.stopped}; the ladder was not run; {kept}")
+        return EXIT_OUT_OF_TIME
+    _error(f"calibration {done.run.name}: no key metric had 3 warm control boots, so the ladder was not run; "
+           f"`lab ls {done.run.name} --db {args.db}` shows what happened")
+    return 1
+
+
 def _calibrate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ladder", nargs="?", metavar="LADDER.yaml", help="the ladder whose key metrics to calibrate")
     parser.add_argument("--resume", metavar="RUN", help="finish an interrupted calibration and measure its noise; "
                                                         "no LADDER")
-    parser.add_argument("--boots", type=int, default=7, metavar="N",
+    parser.add_argument("--boots", type=int, default=7, metavar="N",  # lab.runner.run.SUGGESTED_CALIBRATION_BOOTS
                         help="control boots in the A/A window (at least 3; default 7)")
     parser.add_argument("--name", help="name of the calibration run (default: <ladder>-calibration-<date>-<time>)")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
@@ -104,48 +155,42 @@ def _calibrate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from lab.runner import calibrate
-    from lab.runner.errors import Interrupted
-    from lab.runner.run import execute
     from lab.store.db import open_store
 
-    console = _console()
     if bool(args.ladder) == bool(args.resume):
         raise UsageError("give either LADDER.yaml or --resume RUN")
     store = open_store(args.db)
     try:
         try:
-            run, repeats = (calibrate.resume(store, args.resume) if args.resume else
-                            calibrate.create(store, args.ladder, args.boots, args.name, args.runs_dir))
+            done = (calibrate.resume_calibration(store, args.resume, _console()) if args.resume else
+                    calibrate.run_calibration(store, args.ladder, args.boots, _console(), name=args.name,
+                                              runs_dir=args.runs_dir))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        console.print(f"calibration run [bold]{run.name}[/] (id {run.id}) → {args.db}")
-        try:
-            execute(store, run, console)
-            interrupted = False
-        except Interrupted:
-            # A time limit or Ctrl-C late in a long calibration: the warm controls it finished are
-            # still A/A evidence, so they are measured and stored rather than thrown away.
-            interrupted = True
-        rows = calibrate.measure(store, run.id, repeats)
     finally:
         store.close()
-    table = Table("key metric", "boots", "boot-to-boot SD %", "drift %", f"MDE % ({repeats} repeats, 80 % power)")
-    for row in rows:
+    _print_noise(done)
+    if done.stopped:
+        _error((f"calibration {done.run.name} interrupted: the noise above is from the control boots that finished"
+                if done.rows else f"calibration {done.run.name} interrupted before 3 warm control boots: no noise "
+                                  "stored") + f"; `lab calibrate --resume {done.run.name}` finishes it")
+        return 130
+    if not done.rows:
+        _error(f"no key metric had 3 warm control boots; `lab ls {done.run.name}` shows what happened")
+        return 1
+    return 0
+
+
+def _print_noise(done: Calibration) -> None:
+    from rich.table import Table
+
+    table = Table("key metric", "boots", "boot-to-boot SD %", "drift %",
+                  f"MDE % ({done.repeats} repeats, 80 % power)")
+    for row in done.rows:
         table.add_row(row["metric"], str(row["boots"]), f"{math.expm1(row['sd_log']) * 100:.2f}",
                       f"{row['drift_pct']:.2f}", f"±{row['mde_pct']:.2f}")
     _console(stdout=True).print(table)
-    if interrupted:
-        _error((f"calibration {run.name} interrupted: the noise above is from the control boots that finished"
-                if rows else f"calibration {run.name} interrupted before 3 warm control boots: no noise stored")
-               + f"; `lab calibrate --resume {run.name}` finishes it")
-        return 130
-    if not rows:
-        _error(f"no key metric had 3 warm control boots; `lab ls {run.name}` shows what happened")
-        return 1
-    return 0
 
 
 def _ls_args(parser: argparse.ArgumentParser) -> None:
@@ -301,28 +346,41 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _history_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("series", nargs="?", metavar="SERIES",
-                        help="a series name, or a ladder name with one series; none: list the series")
+                        help="a series name (<ladder>@<host>), or a ladder name with one series; none: list the series")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 when a metric's latest level is a confirmed regression (for cron or CI)")
+                        help="gate on the latest label (for cron or CI); exit status 1: a confirmed regression, "
+                             "2: the gate cannot run (unknown or ambiguous series, bad arguments, unreadable store), "
+                             "3: nothing to compare yet, 4: the latest label ran a new base config")
     parser.add_argument("--html", metavar="DIR", help="also write DIR/history-<series>/index.html")
     _db_arg(parser)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from lab.report.history import load, resolve
+    from lab.report.history import Outcome, load, resolve
     from lab.store import reader
-    from lab.store.db import open_store
+    from lab.store.db import StoreError, open_store
 
     out = _console(stdout=True)
-    store = open_store(args.db, read_only=True)
+    try:
+        store = open_store(args.db, read_only=True)
+    except StoreError as exc:
+        _error(str(exc))
+        return Outcome.BROKEN
     try:
         if args.series is None:
+            if args.check:
+                _error("--check needs a SERIES (or a ladder name with one series); `lab history` lists them")
+                return Outcome.BROKEN
             points = reader.series_points(store)
             for series in dict.fromkeys(p.series for p in points):
                 labels = [p.label for p in points if p.series == series]
                 out.print(f"{series}: {len(labels)} labels, {labels[0]} … {labels[-1]}", highlight=False)
             return 0
-        history = load(store, resolve(store, args.series))
+        try:
+            history = load(store, resolve(store, args.series))
+        except LookupError as exc:
+            _error(str(exc))
+            return Outcome.BROKEN
     finally:
         store.close()
     _print_history(out, history)
@@ -332,41 +390,64 @@ def cmd_history(args: argparse.Namespace) -> int:
         out.print(f"history page written to {write(history, args.html)}", highlight=False)
     if not args.check:
         return 0
-    for line in history.pending():
+    check = history.check()
+    for line in check.warnings:
         _error(f"warning: {line}")
-    regressions = history.regressions()
-    for line in regressions:
+    for line in check.regressions:
         _error(f"regression: {line}")
-    return 1 if regressions else 0
+    _error(f"check: {check.summary} (exit status {int(check.outcome)}: {check.outcome.name.lower().replace('_', ' ')})")
+    return int(check.outcome)
 
 
 def _print_history(out, history) -> None:  # rich Console, lab.report.history.History
     from rich.table import Table
 
-    out.print(f"series {history.series} (KEEP threshold {history.threshold_pct:g} %)", highlight=False)
+    labels = history.labels
+    out.print(f"series {history.series}: {len(labels)} labels ({labels[0]} … {labels[-1]}), KEEP threshold "
+              f"{history.threshold_pct:g} %", highlight=False, markup=False)
+    for line in history.base_changes():
+        out.print(f"{line}; labels under different bases are not compared", highlight=False, markup=False)
+    out.print("what this series detects under its current base (the noise the gate uses):", highlight=False)
+    for line in history.detectable():
+        out.print(f"  {line}", highlight=False, markup=False)
     for mh in history.metrics:
-        table = Table("label", "run", mh.unit or "value", "control boots", "drift %", title=mh.metric)
+        table = Table("label", "run", mh.unit or "value", "control boots", "drift %", "base", title=mh.metric)
         for p in mh.points:
+            base = history.bases[p.base]
             table.add_row(p.label, p.run, f"{p.value:.4g}" if p.value is not None else "-",
                           ", ".join(f"{v:.4g}" for v in p.boots),
-                          f"{p.drift_pct:.2f}" if p.drift_pct is not None else "")
+                          f"{p.drift_pct:.2f}" if p.drift_pct is not None else "",
+                          base.config_hash[:8] + (" (new)" if base.label == p.label and p.base else ""))
         out.print(table)
-        a = mh.analysis
-        if a is None:
-            out.print("  fewer than two labels with a value: nothing to compare", highlight=False)
-            continue
-        labels = [p.label for p in mh.used]
-        out.print(f"  a departure must exceed ±{a.limit_pct:.2f} % (noise band ±{a.band_pct:.2f} %)", highlight=False)
-        for step in a.steps:
-            out.print(f"  step: {step.describe(labels, mh.unit, a.limit_pct)}", highlight=False, markup=False)
-        for i in a.outliers:
-            out.print(f"  outlier: label {labels[i]} (not a step: the next label is back)", highlight=False)
+        for seg in mh.segments:
+            a = seg.analysis
+            if a is None:
+                continue
+            labels = [p.label for p in seg.points]
+            under = f"labels {labels[0]} … {labels[-1]}: " if len(mh.segments) > 1 else ""
+            if not seg.comparable:
+                out.print(f"  {under}one label with a value: nothing to compare", highlight=False, markup=False)
+                continue
+            out.print(f"  {under}a departure must exceed ±{a.limit_pct:.2f} % (noise band ±{a.band_pct:.2f} %)",
+                      highlight=False, markup=False)
+            for step in a.steps:
+                out.print(f"  step: {step.describe(labels, mh.unit, a.limit_pct)}", highlight=False, markup=False)
+            for i in a.outliers:
+                out.print(f"  outlier: label {labels[i]} (not a step: the next label is back)", highlight=False,
+                          markup=False)
+        if not mh.segments:
+            out.print("  no label with a value: nothing to compare", highlight=False)
 
 
 def _tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("tune", nargs="?", metavar="TUNE.yaml", help="the tune file: engine, space, objectives, "
                                                                       "constraints, budget")
-    parser.add_argument("--name", help="the study's name (default: the tune file's name); run again to resume it")
+    parser.add_argument("--name", help="the study's name (default: the tune file's name); run again to resume it, or "
+                                       "give a new name to start afresh beside it")
+    parser.add_argument("--trials", type=_positive_int, metavar="N",
+                        help="the study's trial budget (default: the file's budget.trials); raise it later to go on")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the tune file as `lab tune` does and print what the study would do; boot nothing")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="where boot logs go (default: ./runs)")
     parser.add_argument("--schema", action="store_true", help="print the tune file JSON Schema and exit")
     parser.add_argument("--worker", action="store_true",
@@ -377,13 +458,27 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
                              f"shared by several hosts (default: ./{DEFAULT_DB})")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+# `lab tune` decided that no candidate beats the base configuration: a result, not an error.
+EXIT_BASE_STAYS = 3
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
     import optuna
 
     from lab.runner.errors import Interrupted
-    from lab.store.db import StoreError, open_store
+    from lab.store.db import StoreError, open_store, scrubbed
     from lab.tune import confirm, study
     from lab.tune.spec import json_schema, load_tune
 
@@ -394,10 +489,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("give TUNE.yaml (or --schema)")
     console = _console()
     tune, text = load_tune(args.tune)
+    if args.dry_run:
+        return _tune_dry_run(args, tune, text)
     store = open_store(args.db)
     try:
         try:
-            outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker)
+            outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker,
+                                trials=args.trials)
         except Interrupted as exc:
             name = exc.args[0] if exc.args else args.name or tune.name
             _error(f"interrupted; study {name} goes on when `lab tune {args.tune}` is run again with the same "
@@ -406,25 +504,56 @@ def cmd_tune(args: argparse.Namespace) -> int:
         except optuna.exceptions.StorageInternalError as exc:
             # Optuna's own message blames the data; the database's error is the cause.
             cause = exc.__cause__ or exc
-            raise StoreError(f"the study's store failed: {type(cause).__name__}: {' '.join(str(cause).split())}"
-                             f"; `lab tune {args.tune}` run again goes on") from exc
-        console.print(f"study {outcome.study.study_name}: {outcome.complete} trials measured, {outcome.failed} "
-                      "failed", highlight=False)
+            reason = scrubbed(f"{type(cause).__name__}: {' '.join(str(cause).split())}", store.url)
+            raise StoreError(f"the study's store failed: {reason}; `lab tune {args.tune}` run again goes on") from exc
+        name = outcome.study.study_name
+        console.print(f"study {name}: {outcome.complete} trials measured, {outcome.failed} failed", highlight=False)
+        if outcome.stopped:
+            _error(f"study {name} stopped: {outcome.stopped}. Fix that, then run the same `lab tune` again: the "
+                   "study goes on, and these two trials do not spend its budget")
+            return 1
         if args.worker:
             console.print("the budget is spent; a plain `lab tune` on the same store confirms the best trials",
                           highlight=False)
             return 0
+        if not outcome.complete:
+            _error(f"study {name}: no trial was measured; `lab report --study {name}` lists why each failed")
+            return 1
         result = confirm.confirm(store, outcome.study, tune, text, args.tune, args.runs_dir, console)
     finally:
         store.close()
     if result is None:
-        _error(f"study {outcome.study.study_name}: no feasible trial differs from the base; nothing to confirm")
-        return 1
+        _error(f"study {name}: the base stays: no feasible trial differs from it, so there is nothing to confirm "
+               f"(exit status {EXIT_BASE_STAYS}); `lab report --study {name}` shows each trial's constraints")
+        return EXIT_BASE_STAYS
     _print_confirmation(_console(stdout=True), tune, result)
-    console.print(f"`lab report --study {outcome.study.study_name}` writes the study's report (history, "
-                  "importances, Pareto front, confirmation)", highlight=False, markup=False)
+    console.print(f"`lab report --study {name}` writes the study's report (history, importances, Pareto front, "
+                  "trials with their constraints, confirmation)", highlight=False, markup=False)
     if result.winner is None:
-        _error(f"no candidate was kept by the confirmation ({result.run}); the base stays")
+        _error(f"the base stays: the confirmation ({result.run}) {result.why} (exit status {EXIT_BASE_STAYS})")
+        return EXIT_BASE_STAYS
+    return 0
+
+
+def _tune_dry_run(args: argparse.Namespace, tune, text: str) -> int:  # tune: lab.tune.spec.TuneFile
+    from lab.store.db import StoreError, open_store
+    from lab.tune.preview import describe
+
+    try:
+        store = open_store(args.db, read_only=True)
+        note = f"store {args.db}"
+    except StoreError as exc:
+        store, note = None, f"{exc}".split(";")[0]
+    try:
+        lines, refusal = describe(tune, text, args.tune, store, note, args.name, args.trials)
+    finally:
+        if store is not None:
+            store.close()
+    out = _console(stdout=True)
+    for line in lines:
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+    if refusal:
+        _error(refusal)
         return 1
     return 0
 
@@ -442,13 +571,14 @@ def _print_confirmation(out, tune, result) -> None:  # rich Console, TuneFile, l
     out.print(table)
     if result.winner:
         w = result.winner
-        out.print(f"winner: {w.arm} (trial {w.trial}), kept by the confirmation; serve it with "
-                  f"`lab serve --best {result.run} --arm {w.arm}`", highlight=False, markup=False)
+        out.print(f"winner: {w.arm} (trial {w.trial}), kept by the confirmation ({result.why}); serve it with "
+                  f"`lab serve --best {result.run}`", highlight=False, markup=False)
 
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--best", required=True, metavar="RUN",
-                        help="the run (name, id, or ladder name for its latest run) whose kept arm to serve")
+                        help="the run (name, id, or ladder name for its latest run) whose winner to serve: its kept "
+                             "arm, or the best of several (the rule `lab tune` names its winner by)")
     parser.add_argument("--arm", metavar="NAME", help="serve this arm (or control) whatever its verdict")
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address of the bundled engine (default: 127.0.0.1); a command engine binds "
@@ -474,6 +604,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     out.print(f"arm {chosen.arm} of run {chosen.run} (window {chosen.window}): {chosen.decision} ({chosen.reason})",
               highlight=False, markup=False)
+    out.print(f"why this arm: {chosen.picked}", highlight=False, markup=False)
     out.print(f"config hash {chosen.config_hash}", highlight=False)
     out.print(f"command: {chosen.shell_line()}", highlight=False, markup=False, soft_wrap=True)
     sys.stdout.flush()
@@ -507,11 +638,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "schema": ("print the ladder JSON Schema (for editor completion)", _schema_args, cmd_schema),
     "sweep": ("run a ladder (or its controls) and file it under its series with a label, for `lab history`",
               _sweep_args, cmd_sweep),
-    "history": ("a series' KEEP metrics across labels with steps; --check fails on a regression", _history_args,
-                cmd_history),
+    "history": ("a series' KEEP metrics across labels with steps and what it can detect; --check gates on the "
+                "latest label", _history_args, cmd_history),
     "tune": ("search engine settings with Optuna, one stored boot per trial, then confirm the best few against "
              "warm controls by the KEEP rule", _tune_args, cmd_tune),
-    "serve": ("serve the arm a run's KEEP rule kept, exactly as it was measured (`--print`: show the command)",
+    "serve": ("serve the arm a run's KEEP rule kept (the best of several), exactly as it was measured (`--print`: "
+              "show the command)",
               _serve_args, cmd_serve),
     "engine": ("the bundled engine: `lab engine serve [flags]`", _engine_args, cmd_engine),
 }

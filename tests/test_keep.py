@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab.analysis import verdicts
+from lab.analysis.effects import Noise
 from lab.analysis.keep import (ArmEvidence, BootValues, Decision, GateResult, KeepRule, KeyMetric, MetricStatus,
                                Verdict, judge)
+from lab.store import reader
+from lab.store.db import open_store
 
 DECODE = KeyMetric("decode_c4_tok_s", higher_is_better=True)
 PREFILL = KeyMetric("prefill_8k_tok_s", higher_is_better=True)
@@ -138,14 +144,39 @@ def test_controls_exactly_the_threshold_apart_do_not_void_the_window() -> None:
 
 # --- inconclusive --------------------------------------------------------------------------------
 
-def test_controls_that_drift_apart_make_the_window_inconclusive() -> None:
+def test_a_metric_whose_controls_drift_apart_is_undecided_and_blocks_a_keep() -> None:
+    # PREFILL improves by 20 % with its controls agreeing, but DECODE's controls are 4.1 % apart and
+    # nothing calibrated says how far its boots scatter: it could hide a regression, so no keep.
     verdict = judge(rule(DECODE, PREFILL),
                     window({DECODE.name: 90.0, PREFILL.name: 120.0},
                            {DECODE.name: 102.05, PREFILL.name: 100.0}, {DECODE.name: 97.95, PREFILL.name: 100.0}))
     assert verdict.decision is Decision.INCONCLUSIVE
-    assert verdict.reasons[0] == ("controls drift 4.1 % > 2 % on decode_c4_tok_s (controls 102.0/98.0): "
-                                  "window inconclusive")
+    assert verdict.reasons[0] == ("decode_c4_tok_s undecided: controls drift 4.1 % > 2 % (controls 102.0/98.0), "
+                                  "no calibration says how far its boots scatter")
     assert only_row(verdict, DECODE.name).status is MetricStatus.DRIFT
+    assert only_row(verdict, PREFILL.name).status is MetricStatus.IMPROVED
+
+
+def test_a_drifting_metric_does_not_void_a_clear_regression_on_another() -> None:
+    # The first run this rule was written for: decode C1 9 % slower with its controls 0.7 % apart,
+    # while the controls' C64 aggregate drifted 11.6 %.
+    c1, c64 = KeyMetric("decode_c1", True), KeyMetric("decode_c64_agg", True)
+    verdict = judge(rule(c1, c64, PREFILL),
+                    window({c1.name: 216.5, c64.name: 4500.0, PREFILL.name: 36500.0},
+                           {c1.name: 237.4, c64.name: 4400.0, PREFILL.name: 36800.0},
+                           {c1.name: 239.1, c64.name: 4940.0, PREFILL.name: 36700.0}))
+    assert verdict.decision is Decision.REJECT
+    assert verdict.reasons[0] == "decode_c1 -9.1 % regresses beyond 2 % vs controls 237.4/239.1: arm 216.5"
+    assert only_row(verdict, c64.name).status is MetricStatus.DRIFT
+    assert any(r.startswith("decode_c64_agg undecided: controls drift 11.6 % > 2 %") for r in verdict.reasons)
+
+
+def test_a_drifting_metric_beside_metrics_within_the_threshold_is_inconclusive_not_no_effect() -> None:
+    verdict = judge(rule(DECODE, PREFILL),
+                    window({DECODE.name: 100.0, PREFILL.name: 100.5},
+                           {DECODE.name: 95.0, PREFILL.name: 100.0}, {DECODE.name: 105.0, PREFILL.name: 100.0}))
+    assert verdict.decision is Decision.INCONCLUSIVE
+    assert verdict.reasons[0].startswith("decode_c4_tok_s undecided: controls drift 10.0 % > 2 %")
 
 
 def test_the_drift_limit_can_be_tighter_than_the_threshold() -> None:
@@ -153,20 +184,30 @@ def test_the_drift_limit_can_be_tighter_than_the_threshold() -> None:
     assert judge(rule(DECODE), evidence).decision is Decision.KEEP
     verdict = judge(rule(DECODE, max_drift=1.0), evidence)
     assert verdict.decision is Decision.INCONCLUSIVE
-    assert verdict.reasons[0].startswith("controls drift 1.5 % > 1 % on decode_c4_tok_s")
+    assert verdict.reasons[0].startswith("decode_c4_tok_s undecided: controls drift 1.5 % > 1 %")
 
 
-def test_a_cold_control_is_excluded_and_said_so() -> None:
-    # The cold opening control's 10.0 would make the arm look 5x better if it were used.
+def test_a_cold_control_is_excluded_and_one_boot_against_the_other_alone_decides_nothing() -> None:
+    # The cold opening control's 10.0 would make the arm look 5x better if it were used; against the
+    # one warm control left, nothing shows how far the boots scatter, so the +5 % is undecided.
     verdict = judge(rule(DECODE), window({DECODE.name: 105.0}, {DECODE.name: 10.0}, {DECODE.name: 100.0},
                                          opening_cold=True))
-    assert verdict.decision is Decision.KEEP
+    assert verdict.decision is Decision.INCONCLUSIVE
     assert verdict.excluded_boots == ["C0ctl#1"]
     assert "opening control C0ctl#1 booted cold: excluded from the verdict" in verdict.reasons
     assert "only one warm control (C0ctl#2): drift between the controls cannot be checked" in verdict.reasons
     row = only_row(verdict, DECODE.name)
-    assert (row.reference, row.delta_pct, row.drift_pct) == (100.0, 5.0, None)
-    assert verdict.reasons[0] == "decode_c4_tok_s +5.0 % (> 2 %) vs control 100.0: arm 105.0"
+    assert (row.status, row.reference, row.delta_pct, row.drift_pct) == (MetricStatus.UNDECIDED, 100.0, 5.0, None)
+    assert verdict.reasons[0] == ("decode_c4_tok_s undecided: one warm control 100.0, one boot of the arm and no "
+                                  "calibration: nothing shows how far its boots scatter (arm 105.0, +5.0 %)")
+
+
+def test_one_warm_control_with_a_calibration_is_judged_by_the_interval() -> None:
+    evidence = replace(window({DECODE.name: 105.0}, {DECODE.name: 10.0}, {DECODE.name: 100.0}, opening_cold=True),
+                       noise={DECODE.name: Noise(sd_log=0.005, df=6, source="calibration cal-1")})
+    verdict = judge(rule(DECODE), evidence)
+    assert verdict.decision is Decision.KEEP
+    assert verdict.reasons[0].startswith("decode_c4_tok_s +5.0 % [")
 
 
 def test_no_warm_control_left_is_inconclusive() -> None:
@@ -179,8 +220,11 @@ def test_no_warm_control_left_is_inconclusive() -> None:
 
 def test_a_window_without_its_closing_control_says_so() -> None:
     verdict = judge(rule(DECODE), window({DECODE.name: 105.0}, {DECODE.name: 100.0}, None))
-    assert verdict.decision is Decision.KEEP
+    assert verdict.decision is Decision.INCONCLUSIVE
     assert "no closing control in this window" in verdict.reasons
+    # A clear regression against the one control still decides nothing without a noise model.
+    slower = judge(rule(DECODE), window({DECODE.name: 80.0}, {DECODE.name: 100.0}, None))
+    assert slower.decision is Decision.INCONCLUSIVE
 
 
 def test_a_cold_arm_boot_is_excluded_and_a_warm_one_is_used() -> None:
@@ -296,7 +340,7 @@ def test_single_values_carry_no_ci() -> None:
 
 def test_verdict_to_dict_is_plain_json() -> None:
     verdict = judge(rule(DECODE, TTFT, gates=("qeval",)),
-                    window({DECODE.name: [110.0, 111.0], TTFT.name: 99.0},
+                    window({DECODE.name: [110.0, 111.0, 112.0], TTFT.name: 99.0},
                            {DECODE.name: [100.0, 101.0], TTFT.name: 100.0},
                            {DECODE.name: [100.0, 99.0], TTFT.name: 100.0}, {"qeval": (True, "0 broke, 0 fixed, p=1")}))
     stored = json.loads(json.dumps(verdict.to_dict(), allow_nan=False))
@@ -304,7 +348,7 @@ def test_verdict_to_dict_is_plain_json() -> None:
     assert stored["reasons"] == verdict.reasons
     assert stored["gates"] == {"qeval": {"passed": True, "detail": "0 broke, 0 fixed, p=1"}}
     decode, ttft = stored["metrics"]
-    assert decode["status"] == "improved" and decode["repeats"]["n_arm"] == 2
+    assert decode["status"] == "improved" and decode["repeats"]["n_arm"] == 3
     assert ttft["status"] == "within" and ttft["repeats"] is None and ttft["higher_is_better"] is False
 
 
@@ -336,3 +380,25 @@ def test_the_decision_does_not_depend_on_units(controls_and_arm: list[float], ex
     plain, scaled = decide(1.0), decide(scale)
     assert scaled.decision is plain.decision
     assert only_row(scaled, "m").delta_pct == only_row(plain, "m").delta_pct
+
+
+# --- a stored run judged again -------------------------------------------------------------------
+
+def test_a_stored_h200_run_whose_soak_metric_drifts_is_rejected_for_its_clear_prefill_regression(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # results/h200-63e5d3d-h200-long: one arm, one boot, no calibration. The soak's turn latency
+    # controls are 2.5 % apart; the 300K prefill's agree to 0.9 % and the arm is 4.3 % slower.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    store = open_store(str(Path(__file__).resolve().parents[1] / "results" / "h200-63e5d3d-h200-long.db.xz"),
+                       read_only=True)
+    try:
+        verdict = verdicts.judge(verdicts.load(store, reader.find_run(store, "h200-long-63e5d3d").id))["L1mnbt4k"]
+    finally:
+        store.close()
+    assert verdict.decision is Decision.REJECT
+    assert verdict.reasons[0] == ("prefill.prefill_tok_s_median[length=300000] -4.3 % regresses beyond 2 % vs "
+                                  "controls 6375.0/6317.2: arm 6076.4")
+    soak = only_row(verdict, "soak.turn_latency_s[band=all,stat=median]")
+    assert soak.status is MetricStatus.DRIFT and soak.drift_pct == pytest.approx(2.5, abs=0.01)
+    assert verdict.reasons[1].startswith("soak.turn_latency_s[band=all,stat=median] undecided: controls drift "
+                                         "2.5 % > 2 %")

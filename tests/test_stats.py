@@ -113,12 +113,12 @@ def test_relative_delta_in_percent() -> None:
 # --- bootstrap -----------------------------------------------------------------------------------
 
 def test_bootstrap_matches_the_exact_bootstrap_distribution_of_a_tiny_sample() -> None:
-    # median([1, 2]*) is 1, 1.5 or 2 with probability 1/4, 1/2, 1/4; b's median is always 4,
-    # so the ratio's 2.5 % and 97.5 % points are 0.25 and 0.5.
-    interval = bootstrap_ratio_of_medians([1.0, 2.0], [4.0, 4.0])
-    assert (interval.estimate, interval.low, interval.high) == (0.375, 0.25, 0.5)
-    # median([1, 2, 3]*) is 2 with probability 13/27; its 30 % and 70 % points are both 2.
-    interval = bootstrap_ratio_of_medians([1.0, 2.0, 3.0], [1.0, 1.0], confidence=0.4)
+    # median([1, 2, 3]*) is 1, 2 or 3 with probability 7/27, 13/27, 7/27; b's median is always 4,
+    # so the ratio's 2.5 % and 97.5 % points are 0.25 and 0.75.
+    interval = bootstrap_ratio_of_medians([1.0, 2.0, 3.0], [4.0, 4.0, 4.0])
+    assert (interval.estimate, interval.low, interval.high) == (0.5, 0.25, 0.75)
+    # Its 30 % and 70 % points are both 2.
+    interval = bootstrap_ratio_of_medians([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], confidence=0.4)
     assert (interval.low, interval.high) == (2.0, 2.0)
     assert "not BCa" in interval.method and interval.confidence == 0.4
 
@@ -148,17 +148,19 @@ def test_bootstrap_excludes_one_for_clearly_separated_samples() -> None:
 
 
 @pytest.mark.parametrize(("a", "b", "message"), [
-    ([1.0], [1.0, 2.0], "at least 2 samples per side, got 1 and 2"),
-    ([1.0, 2.0], [], "at least 2 samples per side, got 2 and 0"),
-    ([1.0, 0.0], [1.0, 2.0], "positive"),
-    ([1.0, math.inf], [1.0, 2.0], "non-finite"),
+    ([1.0], [1.0, 2.0, 3.0], "at least 3 samples per side, got 1 and 3"),
+    # Two a side: the median of two resampled values takes three values, too few for a 95 % interval.
+    ([1.0, 2.0], [1.0, 2.0], "at least 3 samples per side, got 2 and 2"),
+    ([1.0, 2.0, 3.0], [], "at least 3 samples per side, got 3 and 0"),
+    ([1.0, 2.0, 0.0], [1.0, 2.0, 3.0], "positive"),
+    ([1.0, 2.0, math.inf], [1.0, 2.0, 3.0], "non-finite"),
 ])
 def test_bootstrap_refuses_unusable_samples(a: list[float], b: list[float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         bootstrap_ratio_of_medians(a, b)
 
 
-samples = st.lists(positive, min_size=2, max_size=12)
+samples = st.lists(positive, min_size=3, max_size=12)
 
 
 @settings(max_examples=60, deadline=None)

@@ -15,11 +15,14 @@ Numbers are never cut short: a table wider than the terminal (or than 80 columns
 printed at the width it needs, and `--json` gives the same comparison for machines.
 
 Statistics only where there are repeats, and the table says which was used:
-- a percentile bootstrap 95 % interval of the ratio of medians when each side has ≥ 2 samples;
-  a change is "established" only when the whole interval lies beyond the threshold (the rule
-  criterion.rs uses; docs/keep.md);
+- a percentile bootstrap 95 % interval of the ratio of medians when each side has ≥ 3 values
+  (`stats.MIN_INTERVAL_SAMPLES`; two a side give a difference, never an interval); a change is
+  "established" only when the whole interval lies beyond the threshold (the rule criterion.rs
+  uses; docs/keep.md);
 - an exact (or normal-approximation) Mann-Whitney p only when the sample sizes can reach
-  p < 0.05 at all (4 vs 4 or more: 3 vs 3 never can); otherwise it says so.
+  p < 0.05 at all (4 vs 4 or more: 3 vs 3 never can); otherwise it says so;
+- none where a side is a one-boot run's only boot (a ladder with no arms): its repeats say nothing of
+  how far another boot would move, so Δ % is a difference between boots, and the table says so.
 
 Verdicts are judged again in memory from the stored cells for every run involved (the newest
 calibration included), so the table shows exactly what the rule decides on the data as it is now;
@@ -38,12 +41,14 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lab.analysis import keep, verdicts
-from lab.analysis.stats import median_of_repeats, noise_band, ratio_summary, relative_delta
+from lab.analysis.stats import MIN_INTERVAL_SAMPLES, median_of_repeats, noise_band, ratio_summary, relative_delta
 from lab.instruments.paired import paired_counts
 from lab.store import reader
 from lab.store.db import Store
 
 ALPHA = 0.05
+ONE_BOOT = ("one boot has no control beside it and no boot-to-boot spread, so Δ % is a difference between "
+            "single boots, with no interval")
 CONFIDENCE = 0.95
 CI_SEED = 0
 
@@ -72,6 +77,13 @@ class Side:
     def slots(self) -> list[verdicts.SlotCells]:
         """Finished, warm boots only: a cold boot is never a figure, a failed one has none."""
         return [s for s in self.evidence.arm_slots(self.arm) if s.measured and not s.cold]
+
+    @property
+    def lone(self) -> bool:
+        """Whether this side is the only measured boot of its window (a one-boot run's control): nothing
+        beside it says how far another boot of the same config would move."""
+        return self.role == "control" and sum(s.window == self.window and s.role != "warmup"
+                                               for s in self.evidence.slots) == 1
 
     def left_out(self) -> list[str]:
         return [f"{s.label}: {'booted cold' if s.cold and s.measured else 'no finished boot'}, left out"
@@ -197,11 +209,15 @@ def compare(store: Store, a_ref: str, b_ref: str) -> Comparison:
     threshold = spec.rule.threshold_pct if spec.rule else keep.DEFAULT_THRESHOLD_PCT
     notes = a.left_out() + b.left_out()
     if not same_run:
-        notes.append(f"{a.ref} and {b.ref} come from different runs: the comparison crosses windows, "
-                     "and each window's noise band is shown")
+        notes.append(f"{a.ref} and {b.ref} come from different runs: the comparison crosses windows"
+                     + ("" if a.lone and b.lone else ", and each window's noise band is shown"))
     elif a.window != b.window:
         notes.append(f"{a.arm} and {b.arm} are in different windows ({a.window}, {b.window}): the comparison "
                      "crosses windows, and each window's noise band is shown")
+    lone = [side.ref for side in (a, b) if side.lone]
+    if lone:
+        notes.append(f"{' and '.join(lone)} {'is a one-boot run' if len(lone) == 1 else 'are one-boot runs'}: "
+                     f"{ONE_BOOT} (`lab calibrate` of the ladder measures the boot-to-boot noise)")
     verdicts_by_side = {side.ref: _verdict(side, judged[side.evidence.run_id]) for side in (a, b)}
     rows = _rows(a, b, threshold, _mdes(verdicts_by_side[b.ref], verdicts_by_side[a.ref]))
     if spec.rule is None:
@@ -284,7 +300,14 @@ def _row(a: Side, b: Side, selector: verdicts.Selector, kind: str, gate: verdict
             change = "changed"
         else:
             change = "better" if delta > 0 else "worse"
-    stats = _statistics(a_pooled, b_pooled, higher, threshold) if delta is not None else None
+    stats = None
+    if delta is not None and (a.lone or b.lone):
+        # Repeats within one boot say nothing of how far the next boot would move: no interval from them.
+        stats = Statistics("none", f"n {len(a_medians)} vs {len(b_medians)} boots: {ONE_BOOT}",
+                           "one boot a side: a difference, no interval" if len(a_medians) == len(b_medians) == 1
+                           else "a one-boot run: no interval", len(a_medians), len(b_medians))
+    elif delta is not None:
+        stats = _statistics(a_pooled, b_pooled, higher, threshold, (len(a_medians), len(b_medians)))
     holds = None if gate is None else {side: None if value is None else gate.check(value, "").passed
                                        for side, value in (("a", a_value), ("b", b_value))}
     return Row(metric=selector.label, kind=kind, rule=rule, unit=b_unit or a_unit, higher_is_better=higher,
@@ -317,11 +340,17 @@ def _noise(side: Side, selector: verdicts.Selector) -> float | None:
         return None
 
 
-def _statistics(a: list[float], b: list[float], higher: bool | None, threshold: float) -> Statistics:
+def _statistics(a: list[float], b: list[float], higher: bool | None, threshold: float,
+                boots: tuple[int, int]) -> Statistics:
+    """`a` and `b`: every repeat of each side's boots, pooled; `boots`: how many boots gave them."""
     n_a, n_b = len(a), len(b)
     sizes = f"n {n_a} vs {n_b}"
-    if min(n_a, n_b) < 2:
-        return Statistics("none", f"{sizes}: no interval (needs ≥ 2 samples per side)", f"{sizes}: no CI", n_a, n_b)
+    if min(n_a, n_b) < MIN_INTERVAL_SAMPLES:
+        what = "boots" if (n_a, n_b) == boots else "values"
+        counts = f"{n_a} {what} a side" if n_a == n_b else f"{n_a} vs {n_b} {what}"
+        return Statistics("none", f"{counts} give a difference, not an interval: {MIN_INTERVAL_SAMPLES} or more a "
+                          "side, or a calibration (`lab calibrate`), give one",
+                          f"{sizes}: no CI (needs {MIN_INTERVAL_SAMPLES} a side)", n_a, n_b)
     if min(a + b) <= 0:
         return Statistics("none", f"{sizes}, not all positive: no ratio interval", f"{sizes}: no CI", n_a, n_b)
     # The same sign as Δ %: better is positive.
@@ -443,7 +472,7 @@ def print_comparison(console: Console, c: Comparison) -> None:
         if row.change == "within noise" and row.delta_pct is not None:
             console.print(f"{escape(row.metric)}: {_delta(row)} % is within the noise band "
                           f"±{_pct(row.band_pct, row.band_pct)} % ({row.band_source})", highlight=False)
-        if row.statistics is not None and row.statistics.test != "none":
+        if row.statistics is not None:
             console.print(f"{escape(row.metric)}: {escape(row.statistics.text)}", highlight=False)
     qeval = c.quality.qeval
     if qeval is not None:
@@ -468,7 +497,8 @@ def print_comparison(console: Console, c: Comparison) -> None:
     for side in (c.a, c.b):
         verdict = c.verdicts[side.ref]
         if verdict is None:
-            why = "a control: the reference of its window" if side.role == "control" else "no key metric"
+            why = ("a one-boot run: no control to compare it with" if side.lone
+                   else "a control: the reference of its window" if side.role == "control" else "no key metric")
             console.print(f"KEEP {escape(side.ref)}: not judged ({why})", highlight=False)
             continue
         colour = {"keep": "green", "reject": "red"}.get(verdict["decision"], "yellow")

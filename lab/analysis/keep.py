@@ -10,18 +10,20 @@ How figures are formed:
 - delta % is the signed improvement in the metric's good direction: the relative change
   (arm - reference) / reference for a higher-is-better metric, its negation for lower-is-better;
 - "more than the threshold" is strict: exactly 2 % with a 2 % threshold neither keeps nor rejects,
-  and controls exactly 2 % apart do not void the window.
+  and controls exactly 2 % apart leave the metric decided.
 
 Precedence when several findings apply (first match decides):
 1. a failed gate rejects: it is a fact about the arm that no other measurement can undo;
-2. the window is inconclusive when no warm control remains, or when the controls drift apart beyond
-   the drift limit on a key metric that has no noise model: no performance figure of that window is
-   trusted (a calibrated metric whose controls drift beyond its calibrated noise is undecided
-   instead, precedence 4, and leaves the other metrics to decide);
-3. a key metric regressing beyond the threshold rejects, even if another figure is missing,
-   because the missing figure cannot rescue it;
+2. the window is inconclusive when no warm control remains;
+3. a key metric regressing beyond the threshold rejects, even if another figure is missing or
+   undecided, because that figure cannot rescue it;
 4. a missing or unusable figure (no warm arm boot, an absent or non-finite value, a zero
-   reference, a gate without a result) makes the verdict inconclusive: nothing passes silently;
+   reference, a gate without a result) or an undecided metric makes the verdict inconclusive:
+   nothing passes silently. With one arm boot, a metric is undecided when its own controls drift
+   apart beyond the drift limit and no calibration explains that drift, or when it has one warm
+   control and no calibration: nothing then shows how far its boots scatter. Each metric is judged
+   on its own controls: a drift on one leaves the others to decide (docs/keep.md re-judges stored
+   runs under this rule and the one before it, which voided the whole window);
 5. an improvement beyond the threshold keeps;
 6. an interval that straddles +threshold only (it may improve, it cannot regress) is undecided:
    inconclusive when nothing else improves, since more boots could make it a keep;
@@ -38,8 +40,8 @@ controls interpolated at its place) instead of by its point figure:
   resolve it at the measured noise (precedence 4, like a missing figure);
 - straddling +threshold alone rules a regression out, so it does not stand in the way of another
   metric's improvement; with no improvement elsewhere it is inconclusive (precedence 6).
-With two or more arm boots the controls' drift is interpolated, not a reason to void the window;
-a single arm boot keeps the drift limit, so a drifting window never gives a keep: a drift its
+With two or more arm boots the controls' drift is interpolated, not a reason to hold a metric back;
+a single arm boot keeps the drift limit, so a drifting metric never gives a keep: a drift its
 calibration explains is judged by the (wide) interval, one beyond it leaves that metric undecided.
 Every metric states the minimum detectable effect its design has, or that it has none.
 
@@ -60,7 +62,7 @@ from typing import Any, NamedTuple
 
 from lab.analysis import effects
 from lab.analysis.effects import Interval, Noise
-from lab.analysis.stats import median_of_repeats, noise_band, ratio_summary, relative_delta
+from lab.analysis.stats import MIN_INTERVAL_SAMPLES, median_of_repeats, noise_band, ratio_summary, relative_delta
 
 DEFAULT_THRESHOLD_PCT = 2.0
 CI_CONFIDENCE = 0.95
@@ -85,7 +87,7 @@ class KeepRule:
     threshold_pct: float
     metrics: Sequence[KeyMetric]
     gates: Sequence[str] = ()
-    # How far apart the two controls may be before the window is void; None = threshold_pct.
+    # How far apart a metric's controls may be before it is undecided (one arm boot); None = threshold_pct.
     max_drift_pct: float | None = None
 
     def __post_init__(self) -> None:
@@ -194,7 +196,7 @@ class Verdict:
     gates: dict[str, GateResult | None]
     excluded_boots: list[str]  # labels of cold boots left out of every figure
     threshold_pct: float
-    drift_limit_pct: float | None = None  # the controls' drift beyond which a one-boot window is void
+    drift_limit_pct: float | None = None  # the controls' drift beyond which a one-boot metric is undecided
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain strings, numbers, lists and dicts; no NaN."""
@@ -356,26 +358,33 @@ def _judge_metric(rule: KeepRule, metric: KeyMetric, arm_boots: list[BootValues]
     row_fields = dict(delta_pct=delta, drift_pct=drift, repeats=repeats, interval=found)
     # Two or more arm boots interpolate the drift. One boot against a drifting pair is trusted only
     # when a calibration of this metric says its boots scatter that much (its interval is then as
-    # wide as that scatter); a drift beyond what the calibration explains voids the window.
+    # wide as that scatter); a drift beyond what the calibration explains, or any drift beyond the
+    # limit with no calibration, leaves this metric undecided.
     explained = effects.drift_expected_pct(found.sd_log) if found is not None and found.n < 2 else None
-    drift_voids = drift is not None and drift > rule.drift_limit_pct and (
+    drift_undecides = drift is not None and drift > rule.drift_limit_pct and (
         found is None or (found.n < 2 and drift > explained))
 
-    if found is not None and not drift_voids:
+    if found is not None and not drift_undecides:
         return _judge_interval(rule, metric, base, found, shown_controls, drift, row_fields)
 
-    if drift_voids:
+    if found is None and len(control_values) == 1:
+        # One boot against one control, with no noise model: nothing shows that this metric's boots
+        # agree, so its point figure decides nothing (docs/keep.md counts what judging it cost).
+        return (replace(base, status=MetricStatus.UNDECIDED, **row_fields),
+                _Finding(_Kind.MISSING, f"{name} undecided: one warm {shown_controls}, one boot of the arm and "
+                                        f"no calibration: nothing shows how far its boots scatter "
+                                        f"(arm {figure_text(arm_value)}, "
+                                        f"{pct_text(delta, rule.threshold_pct, signed=True)} %)"))
+
+    if drift_undecides:
+        # Each metric's own controls vouch for it: a drift on this one leaves it undecided (it can
+        # never keep) while metrics whose controls agree still decide (docs/keep.md measures this).
         shown_drift = (f"controls drift {pct_text(drift, rule.drift_limit_pct, signed=False)} % > "
                        f"{rule.drift_limit_pct:g} %")
         row = replace(base, status=MetricStatus.DRIFT, **row_fields)
-        if explained is None:
-            # No noise model: nothing says which figures the move touched, so none of the window is trusted.
-            return row, _Finding(_Kind.WINDOW_VOID,
-                                 f"{shown_drift} on {name} ({shown_controls}): window inconclusive")
-        # A calibrated metric's own controls vouch for it: a drift beyond one metric's calibrated noise
-        # leaves that metric undecided (it can never keep) while metrics whose controls agree still decide.
-        return row, _Finding(_Kind.MISSING, f"{name} undecided: {shown_drift} ({shown_controls}), beyond the "
-                                            f"{explained:.1f} % its calibrated noise explains")
+        why = ("no calibration says how far its boots scatter" if explained is None else
+               f"beyond the {explained:.1f} % its calibrated noise explains")
+        return row, _Finding(_Kind.MISSING, f"{name} undecided: {shown_drift} ({shown_controls}), {why}")
 
     threshold = rule.threshold_pct
     shown_delta = pct_text(delta, threshold, signed=True)
@@ -440,7 +449,7 @@ def _repeats_evidence(metric: KeyMetric, arm_boots: list[BootValues],
     arm_samples = [v for boot in arm_boots for v in boot.values[metric.name]]
     control_samples = [v for boot in controls for v in boot.values[metric.name]]
     # A ratio of medians needs positive figures; rates and latencies are, counts of zero are not.
-    if min(len(arm_samples), len(control_samples)) < 2 or min(arm_samples + control_samples) <= 0:
+    if min(len(arm_samples), len(control_samples)) < MIN_INTERVAL_SAMPLES or min(arm_samples + control_samples) <= 0:
         return None
     summary = ratio_summary(arm_samples, control_samples, metric.higher_is_better, CI_CONFIDENCE, CI_SEED)
     return RepeatsEvidence(n_arm=summary.n_new, n_control=summary.n_reference, ci_low_pct=summary.low_pct,

@@ -18,6 +18,11 @@ from scipy import stats as _scipy_stats
 # the normal approximation is already accurate to well under 1e-3 there.
 _EXACT_U_MAX_PAIRS = 2500
 
+# No interval from fewer values a side: the median of two resampled values takes only three values,
+# so a "95 %" percentile interval of 2 against 2 is a coarse range of three ratios, not a confidence
+# statement, and it can claim an effect that the controls' own drift dwarfs.
+MIN_INTERVAL_SAMPLES = 3
+
 # Bootstrap resamples are medianed in blocks of at most this many drawn indices, so that a long
 # sample (thousands of per-request latencies) does not need a resamples x n matrix at once.
 _BOOTSTRAP_BLOCK_ELEMENTS = 1 << 20
@@ -53,8 +58,9 @@ def bootstrap_ratio_of_medians(a: Sequence[float], b: Sequence[float], n_resampl
     """
     x = _finite_array(a, "a")
     y = _finite_array(b, "b")
-    if x.size < 2 or y.size < 2:
-        raise ValueError(f"a bootstrap interval needs at least 2 samples per side, got {x.size} and {y.size}")
+    if min(x.size, y.size) < MIN_INTERVAL_SAMPLES:
+        raise ValueError(f"a bootstrap interval needs at least {MIN_INTERVAL_SAMPLES} samples per side, got {x.size} "
+                         f"and {y.size}")
     if (x <= 0).any() or (y <= 0).any():
         raise ValueError("a ratio of medians needs positive values on both sides")
     if not 0 < confidence < 1:
@@ -99,7 +105,7 @@ class RatioSummary:
 def ratio_summary(new: Sequence[float], reference: Sequence[float], higher_is_better: bool | None,
                   confidence: float, seed: int) -> RatioSummary:
     """What `lab compare` and the KEEP rule's repeats line say about two sets of repeats; needs at
-    least 2 positive values a side (`bootstrap_ratio_of_medians` says why not otherwise)."""
+    least MIN_INTERVAL_SAMPLES positive values a side (`bootstrap_ratio_of_medians` says why not otherwise)."""
     interval = bootstrap_ratio_of_medians(new, reference, confidence=confidence, seed=seed)
     if higher_is_better is False:
         # A lower figure is the improvement: the ratio is turned around so better stays positive.

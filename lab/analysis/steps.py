@@ -6,8 +6,12 @@ series changes but say nothing about persistence or noise in the lab's terms):
 1. Work on logs, so a change is a ratio and a band is a percentage either way.
 2. Noise: the robust SD of one label, sigma = 1.4826 * MAD(first differences) / sqrt(2). First
    differences cancel the level, and the MAD ignores the one large difference a step makes and
-   the two an outlier makes. The noise band is 3 sigma, or the median within-label drift of the
-   controls when that is wider (two controls per label disagree by at least that much anyway).
+   the two an outlier makes. The differences of other stretches of the same series (labels under
+   an earlier base config, which are never compared with these) may be pooled in: they measure the
+   same host's label-to-label noise. The noise band is 3 sigma, or the median within-label drift of
+   the controls when that is wider (two controls per label disagree by at least that much anyway).
+   max(threshold, band) is the smallest change the series can detect, and `Analysis.limit_source`
+   says which of the three set it.
 3. The level of a segment is the median of its points. Walking forward, a point departs when it
    is further from the current level than max(threshold, noise band). It starts a step only when
    it and the next `persist - 1` points all depart in the same direction; a lone departure is an
@@ -58,27 +62,51 @@ class Step:
 class Analysis:
     sigma_pct: float | None  # one label's robust SD; None with fewer than 3 differences
     band_pct: float  # noise band: 3 sigma or the within-label control drift, whichever is wider
-    limit_pct: float  # what a departure must exceed: max(threshold, band)
+    limit_pct: float  # what a departure must exceed: max(threshold, band); the smallest detectable change
     steps: list[Step]
     outliers: list[int]
     pending: list[int]  # departures at the end, too few to confirm or rule out
     pending_regression: bool
+    threshold_pct: float = 0.0
+    drift_pct: float | None = None  # median within-label drift of the controls; None when no label has two
+    differences: int = 0  # label-to-label differences behind sigma, pooled ones included
+    sigma_band_pct: float = 0.0  # SIGMAS sigma as a percentage; 0 when sigma is unknown
+
+    @property
+    def limit_source(self) -> str:
+        """What set `limit_pct`, in words."""
+        if self.limit_pct <= self.threshold_pct:
+            return f"the KEEP threshold ({self.threshold_pct:g} %)"
+        if self.drift_pct is not None and self.drift_pct >= self.sigma_band_pct:
+            return f"the controls' median drift within a label ({self.drift_pct:.2f} %)"
+        return (f"the label-to-label noise ({SIGMAS:g} × {self.sigma_pct:.2f} % robust SD, from "
+                f"{self.differences} differences)")
+
+
+def log_differences(values: Sequence[float]) -> list[float]:
+    """Label-to-label changes of positive `values` as log ratios: what sigma is estimated from."""
+    logs = [math.log(v) for v in values]
+    return [b - a for a, b in zip(logs, logs[1:])]
 
 
 def analyse(values: Sequence[float], higher_is_better: bool, threshold_pct: float,
-            within_drift_pct: Sequence[float] = (), persist: int = PERSIST) -> Analysis:
-    """Steps, outliers and pending departures of positive `values` in label order."""
+            within_drift_pct: Sequence[float] = (), persist: int = PERSIST,
+            pooled_differences: Sequence[float] = ()) -> Analysis:
+    """Steps, outliers and pending departures of positive `values` in label order; the noise is
+    estimated from their own differences and `pooled_differences` (`log_differences` of other
+    stretches of the same series)."""
     if any(v <= 0 or not math.isfinite(v) for v in values):
         raise ValueError("step detection works on positive finite values")
     logs = [math.log(v) for v in values]
-    diffs = [b - a for a, b in zip(logs, logs[1:])]
+    diffs = log_differences(values) + list(pooled_differences)
     sigma = None
     if len(diffs) >= 3:
         # Robust SD of the label-to-label changes (normal-consistent MAD); a change of two
         # independent levels has sqrt(2) times one level's spread.
         sigma = float(median_abs_deviation(diffs, scale="normal")) / math.sqrt(2)
-    band = max(to_pct(SIGMAS * sigma) if sigma is not None else 0.0,
-               statistics.median(within_drift_pct) if within_drift_pct else 0.0)
+    drift = statistics.median(within_drift_pct) if within_drift_pct else None
+    sigma_band = to_pct(SIGMAS * sigma) if sigma is not None else 0.0
+    band = max(sigma_band, drift or 0.0)
     limit_pct = max(threshold_pct, band)
     limit = math.log1p(limit_pct / 100)
 
@@ -119,7 +147,7 @@ def analyse(values: Sequence[float], higher_is_better: bool, threshold_pct: floa
     pending_regression = bool(pending) and ((values[pending[0]] < statistics.median(
         values[j] for j in range(starts[-1], pending[0]) if j not in outliers)) == higher_is_better)
     return Analysis(to_pct(sigma) if sigma is not None else None, band, limit_pct, steps, outliers, pending,
-                    pending_regression)
+                    pending_regression, threshold_pct, drift, len(diffs), sigma_band)
 
 
 def regressed_since(analysis: Analysis) -> tuple[Step, float] | None:

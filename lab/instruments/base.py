@@ -101,5 +101,7 @@ class Instrument(Protocol):
     # is not checked on these points):
     #   cell_params(params) -> {metric: [params of each cell it stores per boot, repeats aside]}
     #   prompt_tokens(params) -> {ladder field: the most tokens (prompt + output) one request holds}
+    #   sends_overlapping(params) -> whether it sends requests that overlap: the capability probe then
+    #     asks whether the engine keeps a stream running when another request arrives
     #   sends_ignore_eos(params) -> whether its requests must run to max_tokens (`ignore_eos`): the
     #     capability probe then asks what the engine does with it, and whether an EOS ban works

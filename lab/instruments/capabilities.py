@@ -5,7 +5,8 @@ own:
 
 - `answered`: a real request of the ladder's largest size (its instruments' longest request,
   prompt and output, or `hygiene.probe_prompt_tokens` where the ladder caps it: `capped_from`) was answered. Readiness means this, not a 1-token prompt: an engine that crashes on long prompts
-  fails its boot here instead of storing a run of invalid cells.
+  fails its boot here instead of storing a run of invalid cells. When it was not, `context` is the
+  context the engine reports (`max_model_len`), or None.
 - `streamed_usage`: a stream asked for `stream_options.include_usage` carried `usage`.
 - `ignore_eos`: `honoured` (a greedy chat that stops early by itself ran to `max_tokens` with it),
   `ignored` (it stopped early anyway), `refused` (HTTP 400), `unknown` (the chat did not stop
@@ -18,6 +19,17 @@ own:
   that the tokenizer the probe uses makes one token each of. `{"ok": True, "ids": [...], "via": ...}`
   lets decode and prefill's tail send the ban (`eos_ban_bias`) and say so in their cells;
   `{"ok": False, "why": ...}` keeps today's behaviour: streams may end early, and are flagged.
+- `chunk_count`, where a stream carries no `usage`: whether it streams one token per chunk: a
+  greedy stream of CHUNK_CHECK_TOKENS tokens against the same request answered whole, its chunks
+  against that answer's `usage.completion_tokens`. Where it does, a stream's completion tokens are
+  its chunks (`token_count.py`): re-tokenizing streamed text undercounts where the tokenizer merges
+  what the model generated as separate tokens.
+- `overlap`, where an instrument of the ladder sends requests that overlap (decode above one
+  stream, mixed): `kept` when a stream still runs to its end after a second request arrived,
+  `interrupted` when the second cut it short (llama-cpp-python's server does, unless started with
+  `--interrupt_requests false`): such an engine serves one request at a time, and every figure
+  of overlapping requests would be wrong, so those cells are stored invalid with the reason;
+  `unknown` when the first stream ended before the second was sent.
 - `logprobs`: a completion asked for `logprobs` returned them.
 - `tokenizer`: the route that tokenizes a prompt (`/tokenize`, llama-cpp-python's
   `/extras/tokenize`), or None.
@@ -57,12 +69,20 @@ log = logging.getLogger("lab.capabilities")
 # A chat an instruct model ends within a few tokens; `ignore_eos` must carry it to EOS_MAX_TOKENS.
 EOS_QUESTION = "Reply with the single word: yes."
 EOS_MAX_TOKENS = 32
+# The stream whose chunks are checked against the same request's usage.
+CHUNK_CHECK_TOKENS = 8
+# The overlap check: a stream of OVERLAP_TOKENS, and a second request OVERLAP_DELAY_S after it.
+OVERLAP_TOKENS = 64
+OVERLAP_DELAY_S = 0.05
 # The large prompt's reply: enough tokens to check a tokenizer's count of generated text.
 LARGE_MAX_TOKENS = 8
 # Instruments whose figures are token counts over time: they need `usage` or a checked tokenizer.
 COUNTING = ("prefill", "decode", "mixed")
 # Instruments that send prompts of an exact length: a tokenizer the ladder names must count as the engine does.
 EXACT = ("prefill", "mixed")
+# Instruments whose every figure rests on requests that overlap (decode's levels above one stream
+# check it per level, lab/instruments/decode.py).
+OVERLAPPING = ("mixed",)
 
 
 @dataclass(frozen=True)
@@ -78,7 +98,7 @@ class Endpoint:
 
 
 async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: bool = True,
-                tokenizer: str | None = None) -> dict[str, Any]:
+                tokenizer: str | None = None, ask_overlap: bool = False) -> dict[str, Any]:
     """The capabilities of the engine at `endpoint` (module docstring), as a JSON-able dict.
     `largest_prompt` is the most tokens (prompt and output) one request of the ladder holds, at
     least LARGE_MAX_TOKENS + 32; `tokenizer` the one the ladder names (`engine.tokenizer`), used
@@ -109,11 +129,16 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
         caps["answered"] = answer.ok
         if not answer.ok:
             caps["error"] = answer.error
+            # What the runner needs to say which request of the ladder does not fit, when the engine says.
+            caps["context"] = await extras.max_model_len()
             return caps
         caps["logprobs"] = bool(answer.logprobs)
-        stream = await client.request({"model": endpoint.model, "prompt": f"{salt_line(salt)} Hello", "max_tokens": 2,
-                                       "temperature": 0})
+        short = {"model": endpoint.model, "prompt": f"{salt_line(salt)} Hello", "max_tokens": CHUNK_CHECK_TOKENS,
+                 "temperature": 0}
+        stream = await client.request(short)
         caps["streamed_usage"] = stream.ok and stream.usage_present
+        if stream.ok and not stream.usage_present:
+            caps["chunk_count"] = _check_chunks(stream, await client.request({**short, "stream": False}))
         replies = [answer]
         caps["ignore_eos"] = "not asked"
         if ask_eos:
@@ -126,6 +151,8 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
                                                  tokenizer, via)
             # Not the forced reply: the special tokens generated past EOS leave no text to count.
             replies.append(plain)
+        if ask_overlap:
+            caps["overlap"] = await _overlap(endpoint, salt)
         if unreadable is not None:
             caps["token_count"] = {"ok": False, "why": unreadable}
         else:
@@ -256,11 +283,59 @@ async def _check_counts(extras: EngineExtras, tokenizer: str | None, prompt: str
     return {"ok": False, "why": f"{tokenizer} counts differ from the engine's usage: {shown}"}
 
 
+def _check_chunks(stream: Receipt, whole: Receipt) -> dict[str, Any]:
+    """Whether the stream carried one token per chunk: as many chunks as the same greedy request's
+    `usage.completion_tokens`, with the same text."""
+    if not whole.ok or not whole.usage_present:
+        return {"ok": False, "why": "no non-streamed usage to check the chunks against"}
+    chunks = len(stream.token_times_ns)
+    checked = f"{chunks} chunks, usage {whole.completion_tokens}"
+    if chunks == whole.completion_tokens and stream.text == whole.text:
+        return {"ok": True, "checked": checked}
+    return {"ok": False, "why": f"not one token per chunk: {checked}" + ("" if stream.text == whole.text else
+                                                                         ", and the texts differ")}
+
+
+async def _overlap(endpoint: Endpoint, salt: str) -> dict[str, Any]:
+    """Two streams, the second sent while the first runs: whether the first still runs to its end."""
+    first = {"model": endpoint.model, "prompt": f"{salt_line(salt)} Count slowly:", "max_tokens": OVERLAP_TOKENS,
+             "temperature": 0, "ignore_eos": True}
+    second = {**first, "prompt": f"{salt_line(salt)} And again:", "max_tokens": 4}
+    async with StreamingClient(endpoint.base_url, endpoint.api_key, max_connections=2) as client:
+        a, b = await client.run_all([first, second], 2, offsets_s=[0.0, OVERLAP_DELAY_S])
+    if not (a.ok and b.ok):
+        return {"found": "unknown", "why": f"a request failed: {a.error or b.error}"}
+    if b.t_sent_ns is not None and a.t_done_ns is not None and a.t_done_ns <= b.t_sent_ns:
+        return {"found": "unknown", "why": "the first stream ended before the second was sent"}
+    tokens = a.completion_tokens if a.usage_present else len(a.token_times_ns)
+    if a.finish_reason == "length" and tokens >= OVERLAP_TOKENS:
+        return {"found": "kept"}
+    return {"found": "interrupted", "why": f"a second request cut the first stream short ({tokens} of "
+                                            f"{OVERLAP_TOKENS} tokens, finish_reason {a.finish_reason!r})"}
+
+
+def interrupts(caps: dict[str, Any] | None) -> str | None:
+    """Why the engine cannot serve overlapping requests (it interrupts the one in progress), or None."""
+    found = (caps or {}).get("overlap") or {}
+    if found.get("found") != "interrupted":
+        return None
+    return (f"the engine interrupts a request in progress when another arrives: {found['why']} (it serves one "
+            "request at a time; llama-cpp-python's server: start it with --interrupt_requests false)")
+
+
+def chunks_are_tokens(caps: dict[str, Any] | None) -> bool:
+    """Whether a stream's completion tokens may be counted as its chunks (checked at the probe)."""
+    return bool(caps and (caps.get("chunk_count") or {}).get("ok"))
+
+
 def count_note(caps: dict[str, Any] | None) -> str:
-    """The note of a cell whose token counts came from the tokenizer, or ''."""
+    """The note of a cell whose token counts came from the tokenizer (or the stream's chunks), or ''."""
     if caps is None or caps.get("streamed_usage", True):
         return ""
-    return f"tokens counted by {caps['token_count']['via']}"
+    via = caps["token_count"]["via"]
+    if chunks_are_tokens(caps):
+        return f"prompt tokens counted by {via}, completion tokens as stream chunks (one token each, checked)"
+    return f"tokens counted by {via}"
 
 
 def refusal(instrument: str, caps: dict[str, Any] | None) -> str | None:
@@ -271,6 +346,8 @@ def refusal(instrument: str, caps: dict[str, Any] | None) -> str | None:
     if instrument in COUNTING and not caps.get("streamed_usage", True):
         if not count.get("ok"):
             return f"the engine streams no usage and its tokens cannot be counted: {count.get('why', 'not probed')}"
+    if instrument in OVERLAPPING and interrupts(caps):
+        return interrupts(caps)
     if instrument in EXACT and caps.get("ladder_tokenizer") and not count.get("ok"):
         return f"prompts of an exact length need the ladder's tokenizer, which cannot be used: {count.get('why')}"
     return None
@@ -296,6 +373,8 @@ def summary(caps: dict[str, Any] | None) -> str:
     if not caps.get("streamed_usage"):
         count = caps.get("token_count") or {}
         usage += f" (counted by {count['via']})" if count.get("ok") else " (uncountable)"
+        if caps.get("chunk_count"):
+            usage += " · one token per chunk " + ("✓" if chunks_are_tokens(caps) else "✗")
     tok = caps.get("tokenizer") or "✗"
     if not caps.get("tokenizer") and caps.get("ladder_tokenizer"):
         checked = caps.get("token_count") or {}
@@ -305,7 +384,10 @@ def summary(caps: dict[str, Any] | None) -> str:
     ban = caps.get("eos_ban")
     if ban:
         eos += ", EOS banned by logit_bias ✓" if ban.get("ok") else f", EOS ban by logit_bias ✗ ({ban.get('why')})"
-    return " · ".join([f"{size} ✓", usage, eos, f"logprobs {mark('logprobs')}",
+    parts = [f"{size} ✓", usage, eos]
+    if caps.get("overlap"):
+        parts.append(f"overlapping requests {caps['overlap']['found']}")
+    return " · ".join([*parts, f"logprobs {mark('logprobs')}",
                        f"tokenizer {tok}", f"metrics {mark('metrics')}",
                        f"stats {mark('stats')}", f"cache reset {mark('prefix_cache_reset')}"])
 

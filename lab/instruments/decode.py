@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field, conint, field_validator
 
 from lab.instruments.base import Better, BootContext
-from lab.instruments.capabilities import eos_ban_bias, eos_ban_note
+from lab.instruments.capabilities import eos_ban_bias, eos_ban_note, interrupts
 from lab.instruments.client import StreamingClient
 from lab.instruments.decode_prompts import CATEGORIES
 from lab.instruments.engine_extras import EngineExtras
@@ -117,11 +117,21 @@ class DecodeInstrument:
     def sends_ignore_eos(self, params: BaseModel) -> bool:
         return True
 
+    def sends_overlapping(self, params: BaseModel) -> bool:
+        assert isinstance(params, DecodeParams)
+        return max(params.levels) > 1
+
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
         params = ctx.params
         assert isinstance(params, DecodeParams)
         level: int = step.params["level"]
         result = StepResult()
+        cut = interrupts(ctx.capabilities) if level > 1 else None
+        if cut:  # every stream of the level but one would be cut short: nothing to measure
+            for metric, many in self.cell_params(params).items():
+                result.cells += [Cell(metric, None, "", p, valid=False, note=cut, requests=[])
+                                 for p in many if p["level"] == level]
+            return result
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
                                                                  timeout=ctx.request_timeout_s, max_connections=level,
                                                                  late_read_ms=params.late_read_ms) as client:

@@ -60,6 +60,9 @@ class MixedInstrument:
     def cell_params(self, params: BaseModel) -> dict[str, list[dict[str, Any]]]:
         return {metric: [{}] for metric in self.metrics(params)}
 
+    def sends_overlapping(self, params: BaseModel) -> bool:
+        return True
+
     def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
         assert isinstance(params, MixedParams)
         return {"long_tokens": params.long_tokens + 1}

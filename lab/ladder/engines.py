@@ -81,7 +81,7 @@ class EngineKind(Protocol):
 
     def random_weights(self, flags: dict[str, Any]) -> str | None: ...
 
-    def launch(self, arm: PlannedArm, port: int, host: str = HOST) -> Launch: ...
+    def launch(self, arm: PlannedArm, port: int | str, host: str = HOST) -> Launch: ...
 
     def offline_argv(self, arm: PlannedArm) -> list[str] | None: ...
 
@@ -165,8 +165,9 @@ class BundledKind:
                                         if engine_settings.knob_from_flag(k) == "model"]
         return models[-1] if models[-1].startswith(RANDOM_WEIGHTS_SOURCE) else None
 
-    def launch(self, arm: PlannedArm, port: int, host: str = HOST) -> Launch:
-        """`host` is the bind address (`lab serve` may serve beyond loopback)."""
+    def launch(self, arm: PlannedArm, port: int | str, host: str = HOST) -> Launch:
+        """`host` is the bind address (`lab serve` may serve beyond loopback); a `port` of "{port}"
+        renders the template `--dry-run` prints."""
         argv = [sys.executable, "-m", "lab.engine", "serve", "--host", host, "--port", str(port), *self._flags(arm)]
         base = f"http://{host}:{port}"
         return Launch(argv, dict(arm.env), base, base + "/v1", self.recipe.model, None, arm.config_hash)
@@ -250,8 +251,8 @@ class CommandKind:
         return "--load-format dummy" if _loads_dummy_weights([*self.recipe.command, *self.render_flags(flags)]) \
             else None
 
-    def launch(self, arm: PlannedArm, port: int, host: str = HOST) -> Launch:
-        """The engine binds where its command template says."""
+    def launch(self, arm: PlannedArm, port: int | str, host: str = HOST) -> Launch:
+        """The engine binds where its command template says; a `port` of "{port}" leaves it a template."""
         def fill(text: str) -> str:
             # Only our placeholders: arguments may hold literal JSON braces.
             values = {"port": str(port), "model": self.recipe.model, "executable": self.recipe.executable or ""}

@@ -96,7 +96,8 @@ class Window(Strict):
     name: Name
     control: Name | None = Field(None,
                                  description="name of the control boots that open and close it; default <window>ctl")
-    arms: list[Arm] = Field(default_factory=list)
+    arms: list[Arm] = Field(default_factory=list,
+                            description="none: the control alone, measured `repeats` times and never judged")
 
     @property
     def control_name(self) -> str:
@@ -126,13 +127,32 @@ class Keep(Strict):
     """Data for `lab.analysis.keep.KeepRule`: directions come from the instruments' declared metrics."""
 
     threshold_pct: float = Field(2.0, ge=0, allow_inf_nan=False)
-    max_drift_pct: float | None = Field(None, ge=0, allow_inf_nan=False, description="controls further apart void the window; "
-                                                                "default threshold_pct")
+    max_drift_pct: float | None = Field(None, ge=0, allow_inf_nan=False, description="with one arm boot, a key metric whose controls are further apart "
+                                                                "is undecided (it blocks a keep); default threshold_pct")
     metrics: list[Union[str, MetricRef]] = Field(default_factory=list, description="key metrics, <instrument>.<metric>")
     gates: list[Gate] = Field(default_factory=list)
+    # 3: two controls bracket the third, one A/A effect; 21: one window of at most 20 repeats + 1
+    # (lab.runner.calibrate.MIN_BOOTS and MAX_BOOTS).
+    calibrate: Optional[int] = Field(None, ge=3, le=21, description="`lab run` first boots the control this many "
+                                                                     "times (after a warm-up boot), exactly as `lab "
+                                                                     "calibrate --boots N`, and judges with that noise")
 
     def metric_refs(self) -> list[MetricRef]:
         return [MetricRef(metric=m) if isinstance(m, str) else m for m in self.metrics]
+
+
+class Neighbour(Strict):
+    """Another tenant's job: a process started before each measured boot's engine and stopped after it."""
+
+    command: list[str] = Field(min_length=1, description="argv, no shell: [python3, -c, 'while True: pass']")
+    cpus: Optional[list[Annotated[int, Field(ge=0)]]] = Field(
+        None, min_length=1, description="the CPUs it is pinned to (CPU affinity); default: not pinned")
+
+    @model_validator(mode="after")
+    def _program_named(self) -> "Neighbour":
+        if not self.command[0].strip():
+            raise ValueError("command: the program (its first element) is empty")
+        return self
 
 
 class Hygiene(Strict):
@@ -147,6 +167,20 @@ class Hygiene(Strict):
         None, ge=64, description="the most tokens the capability probe's large request holds at each boot (default: "
                                  "the ladder's largest request); where that prefill takes minutes (a 1M-token "
                                  "prompt) the probe would otherwise double every boot, warm-ups included")
+
+    neighbour: Optional[Neighbour] = Field(
+        None, description="a process beside every measured boot (not warm-ups), in its own process group, "
+                          "its output in the boot's log folder: what the engine does beside another job")
+
+    ports: Optional[tuple[Annotated[int, Field(ge=1024, le=65535)], Annotated[int, Field(ge=1024, le=65535)]]] = Field(
+        None, description="[first, last]: the ports engines may listen on (a firewall, or two labs on one host); "
+                          "default any free port")
+
+    @model_validator(mode="after")
+    def _ports_ordered(self) -> "Hygiene":
+        if self.ports is not None and self.ports[0] > self.ports[1]:
+            raise ValueError(f"ports: {self.ports[0]} is above {self.ports[1]}; give [first, last]")
+        return self
 
     def warmup_names(self, first_control: str) -> list[str]:
         """The arms (or controls) booted once, unmeasured, before the first window."""
@@ -190,7 +224,8 @@ class Ladder(Strict):
     windows: list[Window] = Field(min_length=1)
     repeats: int = Field(1, ge=1, le=20, description="boots of every arm per window, interleaved with controls "
                                                      "(C A B C A B C for 2); the boot is the unit of replication, "
-                                                     "and 2 or more give each verdict a confidence interval")
+                                                     "and 2 or more give each verdict a confidence interval; "
+                                                     "a window with no arms boots its control this many times")
     instruments: Instruments = Field(default_factory=Instruments)  # type: ignore[valid-type]
     keep: Keep = Field(default_factory=Keep)
     hygiene: Hygiene = Field(default_factory=Hygiene)

@@ -3,7 +3,9 @@
 Each window boots its control, then its arms in order, then its control again, so every arm is
 bracketed by warm reboots of the unchanged base. With `repeats: n` the arms are booted n times,
 interleaved with controls (C A B C A B C): the boot is the unit of replication, and every arm boot
-has a control on each side to interpolate the drift between. An optional warm-up boot comes first.
+has a control on each side to interpolate the drift between. A window with no arms has nothing to
+bracket: its control is booted `repeats` times (C, or C C C for 3), so a ladder of one control is one
+measured boot. An optional warm-up boot comes first.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ def plan(ladder: Ladder) -> Plan:
             for name in ladder.hygiene.warmup_names(control):
                 slot(name, "warmup", "warmup", None)
         slot(control, "control", "open", window.name)
+        if not window.arms:
+            for repeat in range(1, ladder.repeats):
+                slot(control, "control", "close" if repeat == ladder.repeats - 1 else "between", window.name)
+            continue
         for arm in window.arms:
             arms.append(arm_spec(ladder, window.name, arm, control))
         for repeat in range(ladder.repeats):

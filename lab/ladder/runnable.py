@@ -1,16 +1,18 @@
 """Checks that a ladder can be run here, made before anything boots.
 
 `lab.ladder.validate` accepts a ladder that is well formed; these checks refuse one that would spend
-its boots and then fail, or hurt the host: a window with no arm to judge, a KEEP metric whose
-`where` does not pick exactly one cell per boot (checked against the cells each instrument
-declares, without running it), a request longer than the engine's context or than the host can
-build in memory, a memory floor above what the host has, a command engine's `tokenizer` that is
-not there or cannot be read. They apply to a ladder about to run (`lab run`, `--dry-run`), not to
-a stored ladder read back for a report: a store written on another host must stay readable here.
+its boots and then fail, or hurt the host: a KEEP metric whose `where` does not pick exactly one
+cell per boot (checked against the cells each instrument declares, without running it), a request
+longer than the engine's context or than the host can build in memory, a memory floor above what
+the host has, a command engine's `tokenizer` that is not there or cannot be read, a neighbour whose
+program is not there or whose CPUs this host does not have. They apply to a ladder about to run
+(`lab run`, `--dry-run`), not to a stored ladder read back for a report: a store written on another
+host must stay readable here.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,25 +35,21 @@ CLIENT_BYTES_PER_TOKEN = 100
 @dataclass(frozen=True)
 class Host:
     mem_total_bytes: int
+    cpus: frozenset[int] | None = None  # the CPUs the lab may run on (its affinity); None: not checked
 
     @classmethod
     def this(cls) -> Host:
-        return cls(int(psutil.virtual_memory().total))
+        return cls(int(psutil.virtual_memory().total), frozenset(psutil.Process().cpu_affinity() or ()))
 
 
 def problems(ladder: Ladder, located: Located, host: Host | None) -> list[Problem]:
     """Everything that stops this ladder from running as written; host checks only with a host."""
-    found = _empty_windows(ladder, located) + _where(ladder, located) + _contexts(ladder, located)
+    found = _where(ladder, located) + _contexts(ladder, located)
     if host is not None:
         found += _host_memory(ladder, located, host) + kind_of(ladder.engine).file_problems(located)
+        found += _neighbour(ladder, located, host)
     return found
 
-
-
-def _empty_windows(ladder: Ladder, located: Located) -> list[Problem]:
-    return [Problem(located.line(("windows", w, "name")),
-                    f"window {window.name} has no arms: its boots would measure the control and judge nothing")
-            for w, window in enumerate(ladder.windows) if not window.arms]
 
 
 def _where(ladder: Ladder, located: Located) -> list[Problem]:
@@ -149,3 +147,25 @@ def _host_memory(ladder: Ladder, located: Located, host: Host) -> list[Problem]:
                                                      f"this host's {host.mem_total_bytes / GIB:.1f} GiB"))
     return found
 
+
+def _neighbour(ladder: Ladder, located: Located, host: Host) -> list[Problem]:
+    """A neighbour this host cannot start: its program is not there, or a CPU it is pinned to is not
+    one the lab may run on (every measured boot would fail to start it)."""
+    neighbour = ladder.hygiene.neighbour
+    if neighbour is None:
+        return []
+    found = []
+    program = neighbour.command[0]
+    if shutil.which(program) is None:
+        found.append(Problem(located.line(("hygiene", "neighbour", "command", 0)),
+                             f"hygiene.neighbour.command: {program!r} is not a program on this host's PATH"))
+    for i, cpu in enumerate(neighbour.cpus or []):
+        if host.cpus is not None and cpu not in host.cpus:
+            found.append(Problem(located.line(("hygiene", "neighbour", "cpus", i)),
+                                 f"hygiene.neighbour.cpus: this host has no CPU {cpu} the lab may use "
+                                 f"(it may use {_cpu_list(host.cpus)})"))
+    return found
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ", ".join(str(cpu) for cpu in sorted(cpus)) or "none"

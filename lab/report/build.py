@@ -101,35 +101,46 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
                f", {run['engine_kind']} engine, ladder sha256 {run['ladder_sha256'][:12]}. Run {run['status']}, "
                f"started {run['created_at']:%Y-%m-%d %H:%M} UTC; {len(data.slots)} planned boots, {done} finished, "
                f"{len(boots) - done} did not.")
-    blocks: list[doc.Block] = [doc.Paragraph(summary), doc.Heading("KEEP verdicts")]
+    blocks: list[doc.Block] = [doc.Paragraph(summary)]
+    warnings = run.get("warnings")
+    if isinstance(warnings, list) and warnings:  # None, or NaN in a frame of stores written before the column
+        blocks += [doc.Heading("Warnings"),
+                   doc.Paragraph("What the first measured boot showed about the ladder, each with its fix:"),
+                   doc.Items(list(warnings))]
+    blocks.append(doc.Heading("KEEP verdicts"))
 
+    armless = not (data.arms["role"] == "arm").any()
     keep = tables.keep_table(data)
-    if keep.empty:
-        blocks.append(doc.Paragraph("No verdicts: the ladder names no key metric, or the run has no arms.", note=True))
+    if armless:
+        blocks.append(doc.Paragraph(_armless(data)))
+    elif keep.empty:
+        blocks.append(doc.Paragraph("No verdicts: the ladder names no key metric.", note=True))
     else:
         counts = keep["verdict"].value_counts()
         blocks.append(doc.Paragraph("Each arm against the warm controls of its own window. "
                                     + ", ".join(f"{counts.get(d, 0)} {d}" for d in doc.VERDICT_CLASSES) + "."))
         blocks.append(doc.TableBlock(keep, row_class="verdict"))
         blocks.append(doc.Items([f"{arm}: " + " · ".join(why) for arm, why in tables.reasons(data).items()]))
-    blocks.append(doc.FigureBlock(figures["keep"]))
+    if not armless:
+        blocks.append(doc.FigureBlock(figures["keep"]))
 
-    blocks.append(doc.Heading("Calibration"))
-    if noise.empty:
-        blocks.append(doc.Paragraph("No calibration of this ladder on this host: a metric judged on one boot per "
-                                    "arm has no interval and no known minimum detectable effect "
-                                    "(`lab calibrate LADDER` measures them).", note=True))
-    else:
+    if not noise.empty:
+        blocks.append(doc.Heading("Calibration"))
         blocks.append(doc.Paragraph("Boot-to-boot noise of each key metric measured by A/A boots of the control "
                                     "(`lab calibrate`), which the verdicts above pool into their intervals; the "
                                     "MDE is the smallest effect the ladder's design resolves with that power at "
                                     "95 % confidence."))
         blocks.append(doc.TableBlock(tables.calibration_table(noise)))
+    elif not armless:  # with nothing judged, there is nothing a calibration would sharpen
+        blocks.append(doc.Heading("Calibration"))
+        blocks.append(doc.Paragraph("No calibration of this ladder on this host: a metric judged on one boot per "
+                                    "arm has no interval and no known minimum detectable effect "
+                                    "(`lab calibrate LADDER` measures them).", note=True))
 
     for name, heading, instrument in (("decode_ladder", "Decode ladder", "decode"), ("prefill", "Prefill", "prefill"),
                                       ("needle", "Needle retrieval", "needle"), ("mixed", "Mixed traffic", "mixed")):
         blocks += [doc.Heading(heading), doc.FigureBlock(figures[name])]
-        why = tables.invalid_reason(data, instrument) if figures[name].png is None else None
+        why = tables.invalid_reason(data, instrument)
         if why:
             blocks.append(doc.Paragraph(why, note=True))
 
@@ -152,3 +163,16 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
     blocks += [doc.Heading("Ladder"), doc.Code(run["ladder_text"], "yaml")]
     blocks += [doc.Heading("Environment"), doc.TableBlock(tables.fingerprint_table(data))]
     return blocks
+
+
+def _armless(data: RunData) -> str:
+    """What a run with no arms is: one measured boot with nothing to compare it with, or its controls."""
+    measured = data.slots[data.slots["role"] != "warmup"]
+    controls = ", ".join(dict.fromkeys(measured["arm"]))
+    if len(measured) == len(measured["window"].unique()):
+        return (f"No KEEP table: this run has no arms, one measured boot per window ({controls}), and a one-boot "
+                "run has no control to compare with, so nothing is judged. The figures below are that boot's "
+                "measurements; `lab compare RUN:CONTROL OTHER:CONTROL` sets two such runs side by side (a "
+                "difference, with no interval from one boot a side).")
+    return (f"No KEEP table: this run has no arms, only its controls ({controls}), so nothing is judged. The "
+            "figures below are their measurements; how far the controls moved is the drift between them.")

@@ -47,7 +47,8 @@ def _flat(frame: pd.DataFrame) -> pd.DataFrame:
     """Nested values (dicts, lists) as JSON text, so CSV and Parquet columns hold one type each."""
     flat = frame.copy()
     for column in flat.columns:
-        if flat[column].map(lambda v: isinstance(v, (dict, list))).any():
+        # Only object columns hold them (an empty frame's times are datetime64, which `any` refuses).
+        if flat[column].dtype == object and flat[column].map(lambda v: isinstance(v, (dict, list))).any():
             flat[column] = flat[column].map(lambda v: None if v is None else json.dumps(v, ensure_ascii=False))
     return flat
 

@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lab.instruments.capabilities import summary
+from lab.ladder.ladder import Ladder
 from lab.ladder.render import Plan
 from lab.store import reader
 from lab.store.db import Store
@@ -44,6 +45,8 @@ def print_run(console: Console, store: Store, ref: str) -> None:
     console.print(f"[bold]{run.name}[/] (id {run.id}) · ladder {run.ladder_name} sha256 {run.ladder_sha256[:12]} · "
                   f"{run.engine_kind} engine · {_status(run.status)}"
                   + (f" ({escape(run.reason)})" if run.reason else "") + f" · logs {run.logs_dir}")
+    for text in run.warnings or []:  # what its first measured boot showed about the ladder
+        console.print(f"[yellow]warning[/]: {escape(text)}", highlight=False)
     arms = Table("arm", "window", "role", "change", "config hash", title="arms", title_justify="left")
     for arm in reader.arms(store, run.id):
         arms.add_row(arm.name, arm.window, arm.role, escape(_change(arm.change)), arm.config_hash)
@@ -118,7 +121,9 @@ def _cells(health: CellHealth | None) -> str:
     return f"{health.valid} valid, [red]{health.invalid} invalid[/]{why}"
 
 
-def print_plan(console: Console, plan: Plan) -> None:
+def print_plan(console: Console, plan: Plan, ladder: Ladder, commands: dict[str, str] | None = None) -> None:
+    """The planned boots, what a window with no arms does; with `commands` (arm name -> its rendered
+    command line), each arm's command."""
     table = Table("slot", "window", "arm", "role", "position", "change", "config hash")
     arms = {a.name: a for a in plan.arms}
     for slot in plan.slots:
@@ -126,3 +131,15 @@ def print_plan(console: Console, plan: Plan) -> None:
         table.add_row(str(slot.idx), slot.window or "-", slot.arm, slot.role, slot.position,
                       escape(_change(arm.change)), arm.config_hash)
     console.print(table)
+    rules = [f"keep.{part}" for part in ("metrics", "gates") if getattr(ladder.keep, part)]
+    for window in ladder.windows:
+        if window.arms:
+            continue
+        boots = sum(slot.window == window.name and slot.role == "control" for slot in plan.slots)
+        line = (f"window {window.name} has no arms: {window.control_name} is measured "
+                f"{'once' if boots == 1 else f'{boots} times'} and nothing is judged")
+        if rules:
+            line += f" ({' and '.join(rules)} are measured, not judged)"
+        console.print(escape(line), highlight=False)
+    for name, line in (commands or {}).items():
+        console.print(f"[bold]{name}[/]: {escape(line)}", soft_wrap=True, highlight=False)

@@ -19,7 +19,7 @@ from lab.report.data import RunData
 def keep_table(data: RunData) -> pd.DataFrame:
     """One row per judged arm: its change, decision, each key metric's Δ % (better positive, as in the
     KEEP lines), the controls' drift and the minimum detectable effect, gates, the deciding reason.
-    Percentages carry the precision the rule compared them at: a 2.02 % drift that voided a window
+    Percentages carry the precision the rule compared them at: a 2.02 % drift that left a metric undecided
     against a 2 % limit reads 2.02, never 2.0."""
     changes = data.arms.set_index("name")["change"]
     rows = []
@@ -59,12 +59,16 @@ def qeval_table(data: RunData) -> pd.DataFrame:
     for window, part in items.groupby("window", sort=False):
         opening = part[(part["slot_role"] == "control") & (part["position"] == "open")]
         reference = dict(zip(opening["task"], opening["passed"].astype(bool)))
-        for (_, label), boot in part.groupby(["idx", "label"], sort=True):
-            if not opening.empty and boot["slot_id"].iloc[0] == opening["slot_id"].iloc[0]:
+        boots = part.groupby(["idx", "label"], sort=True)
+        alone = boots.ngroups == 1
+        for (_, label), boot in boots:
+            if not opening.empty and boot["slot_id"].iloc[0] == opening["slot_id"].iloc[0] and not alone:
                 continue
             outcome = dict(zip(boot["task"], boot["passed"].astype(bool)))
             row = {"window": window, "boot": label, "tasks": len(outcome), "passed": sum(outcome.values())}
-            if reference:
+            if alone:
+                row["note"] = "the only boot of its window with qeval items: nothing to pair it with"
+            elif reference:
                 counts = paired_counts(reference, outcome)
                 row.update({"control passed": sum(reference.values()), "broke": counts.broke, "fixed": counts.fixed,
                             "McNemar p (exact)": f"{counts.p_value:.3g}",
@@ -94,11 +98,11 @@ def agreement_table(data: RunData) -> pd.DataFrame:
 
 
 def figures_table(data: RunData) -> pd.DataFrame:
-    """Every stored figure: instrument, metric and params down, boots across; median of repeats. A
-    not-applicable cell shows as "n/a", its reason in the `note` column."""
+    """Every stored figure: instrument, metric and params down, boots across; median of repeats. An
+    invalid cell is never dropped: it shows as "n/a" (not applicable on this engine) or "invalid",
+    its reason in the `note` column."""
     cells = data.cells[data.cells["slot_role"] != "warmup"]
-    not_applicable = ~cells["valid"] & cells["note"].str.startswith(NOT_APPLICABLE)
-    cells = cells[cells["valid"] & cells["value"].notna() | not_applicable]
+    cells = cells[~cells["valid"] | cells["value"].notna()]
     if cells.empty:
         return pd.DataFrame()
     cells = cells.assign(params_text=cells["params"].map(_params),
@@ -111,8 +115,9 @@ def figures_table(data: RunData) -> pd.DataFrame:
                                          sort=False).map(_number))
     skipped = cells[~cells["valid"]]
     if not skipped.empty:
-        marks = skipped.assign(value="n/a").pivot_table(index=index, columns="boot", values="value", aggfunc="first",
-                                                        sort=False)
+        mark = skipped["note"].fillna("").str.startswith(NOT_APPLICABLE).map({True: "n/a", False: "invalid"})
+        marks = skipped.assign(value=mark).pivot_table(index=index, columns="boot", values="value", aggfunc="first",
+                                                       sort=False)
         parts.append(marks.assign(note=skipped.groupby(index, sort=False)["note"].first()))
     table = pd.concat(parts).fillna("")
     order = cells.drop_duplicates("boot").sort_values("idx")["boot"]
@@ -144,12 +149,16 @@ def boots_table(data: RunData) -> pd.DataFrame:
 
 
 def invalid_reason(data: RunData, instrument: str) -> str | None:
-    """Why an instrument has no figure: how many of its cells are invalid and their commonest note."""
-    cells = data.cells[(data.cells["instrument"] == instrument) & ~data.cells["valid"]]
+    """How many of an instrument's measured cells are invalid, hence missing from its figure, and
+    their commonest note; None when every cell is valid."""
+    cells = data.cells[(data.cells["instrument"] == instrument) & ~data.cells["valid"]
+                       & (data.cells["slot_role"] != "warmup")]
     if cells.empty:
         return None
     notes = cells["note"].fillna("").value_counts()
-    return (f"{len(cells)} {instrument} cells are invalid; the commonest reason ({notes.iloc[0]} of them): "
+    which = ", ".join(sorted({f"{p} ({label})" for p, label in zip(cells["params"].map(_params), cells["label"])})[:6])
+    return (f"{len(cells)} {instrument} cells are invalid and left out of this figure ({which}"
+            f"{', …' if len(cells) > 6 else ''}); the commonest reason ({notes.iloc[0]} of them): "
             f"{notes.index[0] or 'none given'}")
 
 

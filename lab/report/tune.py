@@ -1,8 +1,9 @@
 """`lab report --study NAME` (also written at the end of `lab tune`): a study's report in
 `<out>/<study>/`, as `lab report` writes a run's: `index.md`, a self-contained `index.html` and one
 PNG per figure. It shows the optimization history, Optuna's parameter importances, the Pareto front
-when there are several objectives, every trial with its run and boot, and the confirmation's KEEP
-verdicts with how far the confirmed numbers moved from the trials' own.
+when there are several objectives, every trial with its run and boot, its constraints' figures
+and what made it infeasible or failed, and the confirmation's KEEP verdicts with how far the
+confirmed numbers moved from the trials' own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from matplotlib.ticker import MaxNLocator
 from lab.report import document as doc
 from lab.report.figures import ARM_COLOURS, Drawn, new_figure, png
 from lab.store.db import Store
-from lab.store.study_storage import study_storage
+from lab.store.study_storage import has_studies, study_storage
+from lab.tune import constraints
+from lab.tune.budget import not_counted
 from lab.tune.confirmation import Confirmation, stored
 from lab.tune.spec import TuneFile, parse_tune
 
@@ -28,10 +31,13 @@ INFEASIBLE = "#d62728"
 
 def write_tune_report(store: Store, study_name: str, out: str | Path = "reports") -> Path:
     """Write the report of a study and return its directory; LookupError when the store has no such study."""
+    missing = LookupError(f"no study {study_name!r} in this store; `lab tune TUNE.yaml` makes one")
+    if not has_studies(store):
+        raise missing
     try:
         study = optuna.load_study(study_name=study_name, storage=study_storage(store))
     except KeyError:
-        raise LookupError(f"no study {study_name!r} in this store; `lab tune TUNE.yaml` makes one") from None
+        raise missing from None
     tune = parse_tune(study.user_attrs["tune_text"], f"{study_name} (stored tune file)")
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -56,7 +62,7 @@ def write_tune_report(store: Store, study_name: str, out: str | Path = "reports"
 
 
 def _feasible(trial: optuna.trial.FrozenTrial) -> bool:
-    return all(c <= 0 for c in trial.user_attrs.get("constraints") or [])
+    return all(c <= 0 for c in trial.user_attrs.get(constraints.VIOLATIONS) or [])
 
 
 def _history(complete: list[optuna.trial.FrozenTrial], tune: TuneFile, study: optuna.Study) -> Drawn:
@@ -161,7 +167,8 @@ def _blocks(study: optuna.Study, tune: TuneFile, trials: list[optuna.trial.Froze
     objectives = ", ".join(f"{o.metric} ({d.name.lower()})" for o, d in zip(tune.objectives, study.directions))
     blocks: list[doc.Block] = [doc.Paragraph(
         f"Tune file {tune.name}: {len(tune.space)} parameters, objectives {objectives}, "
-        f"{len(tune.constraints)} constraints, seed {tune.seed}, budget {tune.budget.trials} trials. "
+        f"{len(tune.constraints)} constraint{'' if len(tune.constraints) == 1 else 's'}, seed {tune.seed}, "
+        f"budget {tune.budget.trials} trials. "
         + ", ".join(f"{n} {state}" for state, n in states.items()) + ".")]
     blocks.append(doc.Heading("Confirmation"))
     if confirmation is None:
@@ -171,9 +178,9 @@ def _blocks(study: optuna.Study, tune: TuneFile, trials: list[optuna.trial.Froze
         blocks.append(doc.Paragraph(
             f"The best trials re-measured as arms of run {confirmation.run}, bracketed by the base configuration "
             "as warm control and judged by the KEEP rule. "
-            + (f"Winner: {confirmation.winner.arm} (trial {confirmation.winner.trial}); "
-               f"`lab serve --best {confirmation.run} --arm {confirmation.winner.arm}` serves it."
-               if confirmation.winner else "No candidate was kept: the base stays.")))
+            + (f"Winner: {confirmation.winner.arm} (trial {confirmation.winner.trial}), {confirmation.why}; "
+               f"`lab serve --best {confirmation.run}` serves it (the same rule picks it)."
+               if confirmation.winner else f"No winner: the confirmation {confirmation.why}. The base stays.")))
         blocks.append(doc.TableBlock(_confirmation_table(confirmation, tune), row_class="KEEP"))
     for figure in drawn:
         blocks += [doc.Heading(figure.title), doc.FigureBlock(figure)]
@@ -182,7 +189,7 @@ def _blocks(study: optuna.Study, tune: TuneFile, trials: list[optuna.trial.Froze
                 [{"parameter": p.name, **{m: f"{v.get(p.name, 0.0):.3f}" for m, v in scores.items()}}
                  for p in tune.space])))
     front = {t.number for t in study.best_trials} if len(tune.objectives) > 1 else None
-    blocks += [doc.Heading("Trials"), doc.TableBlock(_trials_table(trials, tune, front))]
+    blocks += [doc.Heading("Trials"), doc.TableBlock(_trials_table(trials, tune, front, not_counted(study)))]
     blocks += [doc.Heading("Open it in optuna-dashboard"),
                doc.Paragraph(f"The study is named {study.study_name} in the lab's store: "
                              "`pip install optuna-dashboard`, then `optuna-dashboard sqlite:///lab.db` "
@@ -205,21 +212,42 @@ def _confirmation_table(confirmation: Confirmation, tune: TuneFile) -> pd.DataFr
     return pd.DataFrame(rows)
 
 
-def _trials_table(trials: list[optuna.trial.FrozenTrial], tune: TuneFile, front: set[int] | None) -> pd.DataFrame:
+def _trials_table(trials: list[optuna.trial.FrozenTrial], tune: TuneFile, front: set[int] | None,
+                  excluded: dict[int, str]) -> pd.DataFrame:
     rows = []
     for t in trials:
         row = {"trial": t.number, "state": t.state.name.lower(), "params": _params(t.params)}
         for i, o in enumerate(tune.objectives):
             row[o.metric] = "" if t.values is None else f"{t.values[i]:.4g}"
+        figures = t.user_attrs.get(constraints.FIGURES) or [None] * len(tune.constraints)
+        for gate, value in zip(tune.constraints, figures):
+            row[f"{constraints.key(gate)} ({constraints.bounds(gate)})"] = "" if value is None else f"{value:.4g}"
         row["feasible"] = "" if t.values is None else ("yes" if _feasible(t) else "no")
         if front is not None:
             row["Pareto front"] = "yes" if t.number in front else ""
         row["run"] = t.user_attrs.get("run", "")
         row["boot"] = t.user_attrs.get("boot_id", "")
         row["host"] = t.user_attrs.get("host", "")
-        row["why it failed"] = t.user_attrs.get("reason", "")
+        row["why"] = _why(t, tune, figures, excluded.get(t.number))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _why(t: optuna.trial.FrozenTrial, tune: TuneFile, figures: list[float | None], excluded: str | None) -> str:
+    """Why the trial failed or is infeasible, whether it spends the budget, and whether it booted cold."""
+    parts = []
+    if t.values is not None and not _feasible(t):
+        broken = constraints.broken(tune.constraints, figures) if constraints.FIGURES in t.user_attrs else ""
+        parts.append(f"infeasible: {broken or 'a constraint is violated'}")
+    if t.user_attrs.get("reason"):
+        parts.append(t.user_attrs["reason"])
+    if excluded:
+        parts.append(f"not counted against the budget: {excluded}")
+    if t.user_attrs.get("cold"):
+        parts.append(f"booted cold twice ({t.user_attrs['cold']})")
+    elif t.user_attrs.get("rebooted"):
+        parts.append(f"measured on a second boot (the first was {t.user_attrs['rebooted']})")
+    return " · ".join(parts)
 
 
 def _params(params: dict[str, object]) -> str:

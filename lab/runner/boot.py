@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,10 +31,24 @@ LOG_TAIL_LINES = 50
 EXIT_POLL_S = 0.1
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(ports: tuple[int, int] | None = None) -> int:
+    """A port nothing listens on now: any the kernel gives, or one of `ports` (first, last) where a
+    firewall or a second lab on the host confines the engines to a range; PortsBusy when none is free."""
+    candidates = [0] if ports is None else random.sample(range(ports[0], ports[1] + 1), ports[1] - ports[0] + 1)
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As the engine's server binds: a port the last boot left in TIME_WAIT is free again.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise PortsBusy(f"no free port in {ports[0]}-{ports[1]} (hygiene.ports)" if ports else "no free port")
+
+
+class PortsBusy(OSError):
+    """Every port the ladder allows is taken."""
 
 
 def child_env(overrides: dict[str, str], base: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:

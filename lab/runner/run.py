@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from lab.analysis import verdicts
-from lab.analysis.keep import Verdict
+from lab.analysis import traps, verdicts
+from lab.analysis.keep import Decision, MetricStatus, Verdict
 from lab.instruments import REGISTRY
-from lab.ladder import render
+from lab.ladder import render, yaml_lines
 from lab.ladder.ladder import Ladder
 from lab.ladder.validate import load_ladder, parse_ladder
 from lab.runner import boot as engine_boot
@@ -31,7 +31,7 @@ from lab.runner import fingerprint
 from lab.runner.errors import Interrupted, RunError, stop_on_sigterm
 from lab.runner.slot import RunContext, run_slot
 from lab.store import reader, writer
-from lab.store.db import Store, StoreError
+from lab.store.db import Store, StoreError, shown
 from lab.store.rows import ArmRecord, RunRecord, SlotRecord
 
 log = logging.getLogger("lab.run")
@@ -87,21 +87,27 @@ def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str |
 BUDGET_MARGIN = 1.15
 
 
-def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None = None) -> Outcome:
+def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None = None,
+            db: str | None = None, ladder_text: str | None = None) -> Outcome:
     """Boot every pending slot of the run in order; marks the run done, interrupted on Ctrl-C/SIGTERM,
     or failed with the reason when an exception ends it. With `time_budget_s`, a boot starts only
     when the time left can hold it, judged by the longest boot of its kind (warm-up or measured)
     this run has finished (BUDGET_MARGIN more); otherwise the run stops there, interrupted and
-    resumable, with `Outcome.out_of_time` saying why. A boot of a kind never finished starts."""
+    resumable, with `Outcome.out_of_time` saying why. A boot of a kind never finished starts.
+    With `db` (the store as `lab run --db` named it), an inconclusive verdict a calibration would
+    decide prints the commands that decide it. The first measured boot's traps
+    (`lab.analysis.traps`) are printed and stored with the run, naming lines of `ladder_text` (the
+    ladder as its author wrote it; default: the run's own)."""
     try:
-        return _execute(store, run, console, time_budget_s)
+        return _execute(store, run, console, time_budget_s, db, ladder_text or run.ladder_text)
     except RunError:
         raise  # refused before it started (another process owns it, another plan): nothing to mark
     except StoreError as exc:
-        # The store refuses writes (a full disk, a read-only file): the run cannot even be marked. It
-        # stays as the store last had it, which `lab run --resume` reads as a run whose process is gone.
-        raise RunError(f"run {run.name} stopped: {exc}; once the store can be written, "
-                       f"`lab run --resume {run.name}` continues it") from exc
+        # The store refuses writes or stopped answering (a full disk, a read-only file, a server gone):
+        # the run cannot even be marked. It stays as the store last had it, which `lab run --resume`
+        # reads as a run whose process is gone.
+        raise StoreError(f"{exc}; run {run.name} stays as it was, `lab run --resume {run.name}` continues it "
+                         "once the store answers again") from None
     except Exception as exc:
         # A bug or an exhausted host, not a request to stop: say so in the store, never "running".
         reason = _one_line(exc)
@@ -111,7 +117,8 @@ def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float
                        "left") from exc
 
 
-def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None) -> Outcome:
+def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: float | None,
+             db: str | None, ladder_text: str) -> Outcome:
     began = time.monotonic()
     ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
     plan = render.plan(ladder)
@@ -123,6 +130,7 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
                     plan=plan, fingerprint=fingerprint.collect(),
                     instruments={name: REGISTRY[name]() for name, _ in ladder.instruments.sections()})
     pending = [s for s in slots if s.status == "pending"]
+    first_measured = min((s.idx for s in slots if s.role != "warmup"), default=None)
     outcome = Outcome(run.id, run.name)
     writer.set_run_status(store, run.id, "running")
     columns = (SpinnerColumn(), TextColumn("[bold]{task.fields[boot]}"), BarColumn(), MofNCompleteColumn(),
@@ -143,12 +151,23 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
                 if status != "done":
                     outcome.failures.append(f"{label}: {status}")
                 progress.console.print(f"{'✓' if status == 'done' else '✗'} {label}: {status}")
+                if status != "done" and slot.idx == slots[0].idx:
+                    refusal = _too_long(store, run, ladder, slot, ladder_text)
+                    if refusal:  # every later boot would fail the same way: spend none of them
+                        writer.set_run_status(store, run.id, "failed", refusal)
+                        raise RunError(f"run {run.name} stopped after its first boot: {refusal}")
+                if status == "done" and slot.idx == first_measured:
+                    for text in first_boot_warnings(store, run.id, slot.idx, ladder_text):
+                        progress.console.print(f"[yellow]warning[/]: {escape(text)}", highlight=False)
                 if slot.position == "close" and slot.window:
                     # The window is complete: judge its arms now, so the store holds verdicts even if
                     # a later window is interrupted.
                     for arm, verdict in store_verdicts(store, run.id, slot.window).items():
                         progress.console.print(f"  KEEP {arm}: [bold]{verdict.decision}[/] "
                                                f"({escape(verdict.reasons[0])})")
+                        hint = how_to_decide(run, verdict, db) if db is not None else None
+                        if hint:
+                            progress.console.print(f"    {escape(hint)}", highlight=False)
                 progress.advance(task)
         except (Interrupted, KeyboardInterrupt):
             writer.set_run_status(store, run.id, "interrupted")
@@ -165,6 +184,52 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
         progress.update(task, description="finished")
     writer.set_run_status(store, run.id, "done")
     return outcome
+
+
+# What an inconclusive verdict's hint suggests, `lab calibrate`'s default: five A/A effects, so a
+# one-boot interval's t factor is 2.6 (it is 4.3 with the two of 4 boots).
+SUGGESTED_CALIBRATION_BOOTS = 7
+
+
+def how_to_decide(run: RunRecord, verdict: Verdict, db: str) -> str | None:
+    """The commands that would decide an inconclusive verdict held back by a key metric with no noise
+    model (its controls drifted, or one warm control): a calibration, then the report judges again;
+    None for any other verdict."""
+    held = [row for row in verdict.metrics
+            if row.status in (MetricStatus.DRIFT, MetricStatus.UNDECIDED) and row.interval is None]
+    if verdict.decision is not Decision.INCONCLUSIVE or not held:
+        return None
+    k = SUGGESTED_CALIBRATION_BOOTS
+    db = shown(db)  # a password never reaches the console, a log or cron mail
+    hint = (f"to decide it: `lab calibrate {run.ladder_path} --boots {k} --db {db}` then "
+            f"`lab report {run.name} --db {db}`, or `lab run {run.ladder_path} --calibrate {k}` next time")
+    # keep.judge says "opening control C0ctl/open booted cold: excluded from the verdict".
+    if any(len(row.control_values) == 1 for row in held) and any(
+            "control" in reason and "booted cold" in reason for reason in verdict.reasons):
+        hint += "; a warm-up boot (`hygiene.warmup_boot: true`) keeps the first control from booting cold"
+    return hint
+
+
+def _too_long(store: Store, run: RunRecord, ladder: Ladder, slot: SlotRecord, ladder_text: str) -> str | None:
+    """Why every boot of the run will fail, when its first boot found the ladder's largest request
+    longer than the engine's context (`lab.analysis.traps.too_long`)."""
+    located, _ = yaml_lines.load(ladder_text)
+    boots = next(s for s in reader.slots(store, run.id) if s.idx == slot.idx).boots
+    if located is None or not boots:
+        return None
+    return traps.too_long(ladder, located, boots[-1].capabilities, f"{slot.arm} ({slot.position})")
+
+
+def first_boot_warnings(store: Store, run_id: int, slot_idx: int, ladder_text: str) -> list[str]:
+    """The traps the run's first measured boot shows (`lab.analysis.traps`), stored with the run."""
+    located, _ = yaml_lines.load(ladder_text)
+    if located is None:
+        return []
+    evidence = verdicts.load(store, run_id)
+    found = traps.first_boot(evidence, next(s for s in evidence.slots if s.idx == slot_idx), located)
+    if found:
+        writer.add_run_warnings(store, run_id, found)
+    return found
 
 
 def _out_of_time(store: Store, run: RunRecord, slot: SlotRecord, left_s: float) -> str | None:

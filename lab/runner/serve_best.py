@@ -1,7 +1,8 @@
 """`lab serve --best RUN`: put the configuration the KEEP rule kept into service.
 
 The verdicts are judged from the run's stored cells as `lab report` judges them
-(`lab.analysis.verdicts`), so what is served is the arm the report shows as kept.
+(`lab.analysis.verdicts`), and the arm is picked by the rule `lab tune` names its winner by
+(`lab.analysis.winner`): the one kept arm, or the best of several on the key metrics.
 
 The arm is re-rendered from the run's stored ladder text, and its config hash must equal the one
 stored with the run: what is served is what was measured, or the command refuses. The engine then
@@ -16,6 +17,7 @@ import shlex
 from dataclasses import dataclass
 
 from lab.analysis import verdicts as keep_verdicts
+from lab.analysis import winner
 from lab.ladder import render
 from lab.ladder.engines import Launch, kind_of
 from lab.ladder.validate import parse_ladder
@@ -27,7 +29,8 @@ log = logging.getLogger("lab.serve")
 
 
 class ServeError(LookupError):
-    """No arm to serve (none kept, several kept, an unknown --arm, a config that no longer renders the same)."""
+    """No arm to serve (none kept, kept arms nothing tells apart, an unknown --arm, a config that no
+    longer renders the same)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Chosen:
     window: str
     decision: str  # keep | reject | inconclusive | control (a control has no verdict)
     reason: str
+    picked: str  # why this arm: the winner rule's word, or that --arm named it
     config_hash: str
     launch: Launch
 
@@ -47,21 +51,17 @@ class Chosen:
 
 
 def choose(store: Store, run_ref: str, arm: str | None, host: str, port: int) -> Chosen:
-    """The run's one kept arm, or `arm` whatever its verdict; ServeError says why there is none."""
+    """The run's winner (`lab.analysis.winner`), or `arm` whatever its verdict; ServeError says why
+    there is none."""
     run = reader.find_run(store, run_ref)
     verdicts = keep_verdicts.judge(keep_verdicts.load(store, run.id))
     stored = {a.name: a for a in reader.arms(store, run.id)}
+    picked = "picked with --arm"
     if arm is None:
-        kept = [name for name, v in verdicts.items() if v.decision == "keep"]
-        if not kept:
-            why = "; ".join(f"{name}: {v.decision} ({v.reasons[0] if v.reasons else 'no reason given'})"
-                            for name, v in verdicts.items()) or "no arm has a verdict"
-            raise ServeError(f"run {run.name} kept no arm ({why}); serve one anyway with --arm NAME")
-        if len(kept) > 1:
-            # Each was kept against the control alone; serving them together was never measured.
-            raise ServeError(f"run {run.name} kept {len(kept)} arms ({', '.join(kept)}), each alone against "
-                             "the control; pick one with --arm NAME")
-        arm = kept[0]
+        best = winner.pick(verdicts)
+        if best.arm is None:
+            raise ServeError(f"run {run.name} {best.why}; serve one anyway with --arm NAME")
+        arm, picked = best.arm, best.why
     if arm not in stored:
         raise ServeError(f"run {run.name} has no arm {arm!r}; its arms: {', '.join(stored)}")
     ladder = parse_ladder(run.ladder_text, f"{run.name} (stored ladder)")
@@ -73,7 +73,7 @@ def choose(store: Store, run_ref: str, arm: str | None, host: str, port: int) ->
     decision = str(verdict.decision) if verdict else stored[arm].role
     reason = (verdict.reasons[0] if verdict and verdict.reasons else
               "the unchanged base" if stored[arm].role == "control" else "not judged: the ladder names no key metric")
-    return Chosen(run.name, arm, stored[arm].window, decision, reason, spec.config_hash,
+    return Chosen(run.name, arm, stored[arm].window, decision, reason, picked, spec.config_hash,
                   kind_of(ladder.engine).launch(spec, port, host))
 
 

@@ -12,9 +12,10 @@ slot pending, for `lab run --resume` to boot again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ from lab.runner.engine_control import ProcessControl
 from lab.runner.fingerprint import engine_version
 from lab.runner.hygiene import MemoryGate, wait_for_memory
 from lab.runner.mem_sampler import MemSampler
+from lab.runner.neighbour import beside
 from lab.store import reader, writer
 from lab.store.db import Store
 from lab.store.records import Cell, StepResult
@@ -55,6 +57,9 @@ class RunContext:
     fingerprint: dict[str, Any]
     instruments: dict[str, Instrument]
     status: Callable[[str], None] = field(default=lambda text: None)
+    # An engine already answered on this host before this run's first boot (a tune's warm-up or
+    # earlier trial, each a run of its own): its first boot is then not taken as cold by default.
+    engine_warmed: bool = False
 
 
 def log_path(rc: RunContext, slot: SlotRecord, attempt: int) -> Path:
@@ -64,7 +69,18 @@ def log_path(rc: RunContext, slot: SlotRecord, attempt: int) -> Path:
 
 
 def run_slot(rc: RunContext, slot: SlotRecord) -> str:
-    """Boot and measure one slot; returns the boot's final status."""
+    """Boot and measure one slot; returns the boot's final status. A measured boot of a ladder with
+    `hygiene.neighbour` has that process beside it from before its engine starts until it ends, and
+    stores it in its fingerprint."""
+    neighbour = rc.ladder.hygiene.neighbour
+    if neighbour is None or slot.role == "warmup":
+        return _boot_slot(rc, slot)
+    path = log_path(rc, slot, len(slot.boots) + 1)
+    with beside(neighbour, path.with_name(f"{path.stem}-neighbour.log")) as record:
+        return _boot_slot(replace(rc, fingerprint={**rc.fingerprint, "neighbour": record}), slot)
+
+
+def _boot_slot(rc: RunContext, slot: SlotRecord) -> str:
     label = f"{slot.window or 'warm-up'} {slot.arm}" + (f" ({slot.position})" if slot.role == "control" else "")
     hygiene = rc.ladder.hygiene
     rc.status(f"{label}: checking host memory")
@@ -85,8 +101,11 @@ def _boot(rc: RunContext, slot: SlotRecord, label: str, gate: MemoryGate) -> tup
     """One boot of the slot: its final status, and why its port was not its own when it failed so."""
     engine = rc.ladder.engine
     arm = rc.plan.arm(slot.arm)
-    port = engine_boot.free_port()
-    spec = kind_of(rc.ladder.engine).launch(arm, port)
+    try:
+        port: int | None = engine_boot.free_port(rc.ladder.hygiene.ports)
+    except engine_boot.PortsBusy as exc:  # the boot is stored failed, its argv with the port unfilled
+        port, gate = None, dataclasses.replace(gate, ok=False, reason=str(exc))
+    spec = kind_of(rc.ladder.engine).launch(arm, "{port}" if port is None else port)
     env, removed = engine_boot.child_env(spec.env)
     boot_id, attempt = writer.start_boot(
         rc.store, run_id=rc.run_id, slot_id=slot.id, port=port, argv=spec.argv, env=spec.env, env_removed=removed,
@@ -168,7 +187,7 @@ def _check(rc: RunContext, proc: engine_boot.EngineProcess,
            spec: Launch) -> tuple[str | None, dict[str, Any] | None, bool]:
     """(refusal reason or None, engine stats, cold) for a boot that just answered its first completion."""
     booted = kind_of(rc.ladder.engine).check_booted(lambda url: proc.get_json(url, spec.api_key), spec,
-                                                    reader.any_ready_boot(rc.store, rc.run_id))
+                                                    rc.engine_warmed or reader.any_ready_boot(rc.store, rc.run_id))
     return booted.refusal, booted.stats, booted.cold
 
 
@@ -187,10 +206,15 @@ def _probe(rc: RunContext, spec: Launch, boot_id: int, slot: SlotRecord) -> dict
                                      request_timeout_s=rc.ladder.engine.request_timeout_s)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
     try:
-        ask_eos = any(getattr(rc.instruments[name], "sends_ignore_eos", lambda _: False)(params)
-                      for name, params in rc.ladder.instruments.sections())
-        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, ask_eos,
-                                              getattr(rc.ladder.engine, "tokenizer", None)))
+        def asks(what: str) -> bool:
+            return any(getattr(rc.instruments[name], what, lambda _: False)(params)
+                       for name, params in rc.ladder.instruments.sections())
+
+        caps = asyncio.run(capabilities.probe(endpoint, largest, salt, asks("sends_ignore_eos"),
+                                              getattr(rc.ladder.engine, "tokenizer", None),
+                                              # The bundled engine is known to batch overlapping requests.
+                                              ask_overlap=asks("sends_overlapping")
+                                              and not kind_of(rc.ladder.engine).is_the_labs))
     except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
         caps = {"answered": False, "largest_prompt": {"tokens": largest}, "error": f"{type(exc).__name__}: {exc}"}
     if capped_from is not None:

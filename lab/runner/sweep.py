@@ -1,10 +1,11 @@
 """`lab sweep LADDER --label L`: a ladder run (or its control alone) filed under a series for `lab history`.
 
-A series is one ladder on one engine identity on one host: `<ladder>@<host>:<hash>`, the hash being
-the control's config hash (model, flags, environment; a command engine's whole recipe). What changes
-from label to label is what the user is tracking (the engine's commit, a driver, a date); what is
-fixed is in the series name, so two points of a series differ only in what their labels say.
-The run is an ordinary run: `lab ls`, `lab report` and `lab run --resume` work on it.
+A series is one ladder on one host: `<ladder>@<host>`. What changes from label to label is what the
+user is tracking (the engine's commit, a driver, a date). Each point also records the base config
+its control ran (engine kind, model, flags, environment, the config and its hash), so a change to
+the ladder's base keeps the series and `lab history` sees where the base changed and compares only
+labels under one base. The run is an ordinary run: `lab ls`, `lab report` and `lab run --resume`
+work on it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,9 @@ from lab.runner.errors import RunError
 from lab.runner.run import create_from_text
 from lab.store import reader, writer
 from lab.store.db import Store
-from lab.store.rows import RunRecord
+from lab.store.rows import RunRecord, series_name
 
 log = logging.getLogger("lab.sweep")
-
-
-def series_name(ladder_name: str, host: str, control_hash: str) -> str:
-    return f"{ladder_name}@{host}:{control_hash[:8]}"
 
 
 def create(store: Store, ladder_path: str | Path, label: str, control_only: bool, name: str | None,
@@ -41,20 +38,21 @@ def create(store: Store, ladder_path: str | Path, label: str, control_only: bool
         data["windows"] = [{"name": w.name, "control": w.control_name} for w in ladder.windows]
         # The report heads with the description: it must not name arms this run leaves out.
         data["description"] = f"{ladder.description + ', ' if ladder.description else ''}controls only"
-        data["repeats"] = 1
+        data["repeats"] = 2  # a window with no arms boots its control `repeats` times: open and close
         data.setdefault("keep", {})["gates"] = []  # gates judge arms; there are none
         text = f"# {ladder.name} ({Path(ladder_path).name}), controls only, for `lab sweep`\n" + \
             yaml.safe_dump(data, sort_keys=False)
         ladder = parse_ladder(text, f"{ladder_path} (controls only)")
     control = render.plan(ladder).arms[0]
     host = fingerprint.collect()["host"]
-    series = series_name(ladder.name, host, control.config_hash)
+    series = series_name(ladder.name, host)
     taken = next((p for p in reader.series_points(store, series) if p.label == label), None)
     if taken is not None:
         raise RunError(f"label {label!r} is already in series {series} (run id {taken.run_id}); pick another")
     run = create_from_text(store, ladder, text, ladder_path, name, runs_dir, stem=f"{ladder.name}-{_plain(label)}")
     identity = {"engine_kind": ladder.engine.kind, "model": ladder.engine.model, "control": control.name,
-                "control_config_hash": control.config_hash}
+                "control_config_hash": control.config_hash, "flags": control.flags, "env": control.env,
+                "config": control.config}
     try:
         writer.add_series_point(store, series=series, label=label, run_id=run.id, ladder_name=ladder.name, host=host,
                                 identity=identity)

@@ -1,5 +1,9 @@
-"""Opening a store: a SQLite file by default (WAL, foreign keys on), PostgreSQL for a store shared by
-several hosts (`postgresql://user@host/db`, through psycopg 3), any SQLAlchemy URL otherwise.
+"""Opening a store: a SQLite file by default (WAL, foreign keys on), or PostgreSQL for a store shared
+by several hosts (`postgresql://user:password@host/db`, through psycopg 3). Any other scheme is refused
+in one line that names these two.
+
+A store URL is shown only through `shown(target)`, with its password masked (`***`): in errors, logs
+and what the lab prints or stores, so no password reaches cron mail, CI logs or the database.
 
 The commands that only read (`lab ls`, `report`, `compare`, `export`, `history`, `serve`) open it
 read-only: nothing is created or upgraded, a SQLite file is opened in SQLite's read-only mode and a
@@ -19,6 +23,7 @@ import functools
 import hashlib
 import lzma
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -28,7 +33,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from sqlalchemy import URL, Engine, create_engine, event, inspect, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -42,9 +47,46 @@ class StoreError(RuntimeError):
     """The store cannot be used; the message says why in one line."""
 
 
+class StoreDropped(StoreError):
+    """The database server dropped a connection in use (restarted, unplugged): a write it cut is
+    written again once the server answers (lab/store/reconnect.py), within its patience."""
+
+
+SCHEMES = ("sqlite", "postgresql")  # the backends the lab's tables and locks are written for
+
+
+def shown(target: str) -> str:
+    """A store as the lab prints it: a path as given, a URL with its password masked."""
+    if "://" not in target:
+        return target
+    try:
+        return make_url(target).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy can parse: mask whatever sits between user: and @
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", target)
+
+
+def scrubbed(message: str, target: str) -> str:
+    """`message` (a driver's error, say) with the target's password replaced by ***, wherever it appears."""
+    password = _password(target)
+    if password:
+        message = message.replace(password, "***").replace(quote(password, safe=""), "***")
+    return message
+
+
+def _password(target: str) -> str | None:
+    if "://" not in target:
+        return None
+    try:
+        return make_url(target).password
+    except Exception:
+        found = re.search(r"://[^:/@]*:([^@]*)@", target)
+        return found.group(1) if found else None
+
+
 class Store:
-    def __init__(self, url: str, read_only: bool = False) -> None:
-        self.url = url
+    def __init__(self, url: str, read_only: bool = False, target: str | None = None) -> None:
+        self.url = url  # with its password: the database driver (and Optuna's storage) connect with it
+        self.shown = shown(target or url)  # as the user gave it, password masked
         self.read_only = read_only
         backend = make_url(url).get_backend_name()
         # A read-only PostgreSQL session: the server refuses any write, whatever the user may do.
@@ -59,10 +101,25 @@ class Store:
             retry_connects(self.engine)
         if backend == "sqlite":
             event.listen(self.engine, "connect", functools.partial(_sqlite_pragmas, wal=not read_only))
+        else:
+            event.listen(self.engine, "handle_error", self.unreachable)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:
         return self._sessions()
+
+    def unreachable(self, context: ExceptionContext) -> None:
+        """A database server that refuses the connection or drops it (stopped, unplugged, a wrong
+        password) ends the command with one line naming the store without its password, not with a
+        driver's traceback."""
+        if context.is_pre_ping:
+            return  # a pooled connection found dead before use: the pool replaces it
+        reason = scrubbed(f"{context.original_exception.__class__.__name__}: {context.original_exception}",
+                          self.url).splitlines()[0]
+        if context.connection is None:  # no connection could be made
+            raise StoreError(f"cannot open store {self.shown}: {reason}")
+        if context.is_disconnect:
+            raise StoreDropped(f"the store {self.shown} dropped the connection: {reason}")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -110,13 +167,24 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any, wal: bool = True) -> No
 
 def resolve_url(target: str) -> str:
     """`lab.db` or `/x/y.db` -> a sqlite URL; `postgresql://` (or `postgres://`) -> psycopg 3, the
-    driver the lab installs; anything else with `://` is taken as a SQLAlchemy URL."""
+    driver the lab installs; a `sqlite://` or `postgresql+DRIVER://` URL as it is; any other scheme
+    is refused (StoreError)."""
     for scheme in ("postgresql://", "postgres://"):
         if target.startswith(scheme):
             return "postgresql+psycopg://" + target[len(scheme):]
-    if "://" in target:
-        return target
-    return f"sqlite:///{Path(target).expanduser().resolve()}"
+    if "://" not in target:
+        return f"sqlite:///{Path(target).expanduser().resolve()}"
+    scheme = target.split("://", 1)[0]
+    if scheme.split("+", 1)[0].lower() not in SCHEMES:
+        raise StoreError(f"unsupported store URL scheme {scheme}:// in {shown(target)}; the lab stores its runs in "
+                         "SQLite (a file path, or sqlite:///PATH) or PostgreSQL (postgresql://user:password@host/db)")
+    return target
+
+
+def _cannot_open(target: str, exc: Exception) -> StoreError:
+    """One line: which store (password masked) and the first line of the driver's reason, scrubbed."""
+    reason = scrubbed(f"{exc.__class__.__name__}: {exc}".splitlines()[0], target)
+    return StoreError(f"cannot open store {shown(target)}: {reason}")
 
 
 def open_store(target: str, read_only: bool = False) -> Store:
@@ -133,7 +201,10 @@ def open_store(target: str, read_only: bool = False) -> Store:
     url = resolve_url(target)
     if read_only:
         return _open_read_only(target, url)
-    store = Store(url)
+    try:
+        store = Store(url, target=target)
+    except Exception as exc:  # a URL SQLAlchemy cannot parse, a driver that is not installed
+        raise _cannot_open(target, exc) from None
     try:
         if store.postgresql:
             # Hosts starting at once on an empty database take turns at creating the tables.
@@ -143,13 +214,13 @@ def open_store(target: str, read_only: bool = False) -> Store:
             _create_tables(store)
         version = _retry(lambda: _schema_version(store), (LOCKED,))
         if version != SCHEMA_VERSION:
-            raise StoreError(f"{target} has store schema {version}; this lab writes schema {SCHEMA_VERSION}")
+            raise StoreError(f"{shown(target)} has store schema {version}; this lab writes schema {SCHEMA_VERSION}")
     except StoreError:
         store.close()
         raise
     except Exception as exc:  # a bad URL, a missing driver, a locked or foreign file
         store.close()
-        raise StoreError(f"cannot open store {target}: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
+        raise _cannot_open(target, exc) from None
     return store
 
 
@@ -158,17 +229,18 @@ def _open_read_only(target: str, url: str) -> Store:
     if path is not None and not path.exists():
         raise StoreError(f"no store at {target}; pass --db with the file `lab run` wrote")
     try:
-        store = _sqlite_read_only(path) if path is not None else Store(url, read_only=True)
+        store = _sqlite_read_only(path) if path is not None else Store(url, read_only=True, target=target)
     except Exception as exc:  # a bad URL, a missing driver, no permission to read
-        raise StoreError(f"cannot open store {target}: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
+        raise _cannot_open(target, exc) from None
+    store.shown = shown(target)  # the file as given, not the read-only URI it is opened through
     try:
-        _check_read_only_schema(store, target)
+        _check_read_only_schema(store, shown(target))
     except StoreError:
         store.close()
         raise
     except Exception as exc:  # a foreign file, a database that refuses us
         store.close()
-        raise StoreError(f"cannot open store {target}: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
+        raise _cannot_open(target, exc) from None
     return store
 
 
@@ -202,6 +274,9 @@ def _check_read_only_schema(store: Store, target: str) -> None:
     earlier lab did not create (a writing command adds them in place; a reader may not)."""
     existing = inspect(store.engine)
     tables = set(existing.get_table_names())
+    if not tables & {table.name for table in Base.metadata.sorted_tables}:
+        raise StoreError(f"no lab store in {target} (it holds none of the lab's tables); `lab run --db` with it "
+                         "creates one")
     for table in Base.metadata.sorted_tables:
         missing = [table.name] if table.name not in tables else \
             [f"{table.name}.{c.name}" for c in table.columns

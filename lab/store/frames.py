@@ -1,12 +1,13 @@
 """A run's stored rows as pandas frames, table by table, columns exactly as stored (JSON columns as
-Python objects): what `lab export` writes and what the report joins."""
+Python objects, times as UTC timestamps): what `lab export` writes, what the report joins and what
+notebooks/analysis.ipynb reads. A SQLite store and a PostgreSQL one give the same frames."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Table, select
+from sqlalchemy import DateTime, Table, select
 
 from lab.store import models as m
 from lab.store.db import Store
@@ -34,5 +35,22 @@ def run_tables(store: Store, run_id: int, include: tuple[str, ...] = tuple(TABLE
         for name in include:
             table = TABLES[name]
             query = select(table).where(where[name]).order_by(table.c.id)
-            frames[name] = pd.read_sql(query, connection)
+            frames[name] = _utc(pd.read_sql(query, connection), table)
     return frames
+
+
+def runs(store: Store) -> pd.DataFrame:
+    """Every run of the store, oldest first: its id, name, ladder, engine kind, status and creation time."""
+    table = m.Run.__table__
+    columns = [table.c[name] for name in ("id", "name", "ladder_name", "engine_kind", "status", "created_at")]
+    with store.engine.connect() as connection:
+        return _utc(pd.read_sql(select(*columns).order_by(table.c.id), connection), table)
+
+
+def _utc(frame: pd.DataFrame, table: Table) -> pd.DataFrame:
+    """SQLite keeps no time zone: its times come back naive, PostgreSQL's aware. The lab writes every
+    time in UTC (writer.now), so both become UTC timestamps."""
+    for column in table.columns:
+        if isinstance(column.type, DateTime) and column.name in frame:
+            frame[column.name] = pd.to_datetime(frame[column.name], utc=True)
+    return frame

@@ -41,6 +41,9 @@ class Run(Base):
     owner_started: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime]
     finished_at: Mapped[datetime | None]
+    # What the first measured boot showed about the ladder (a key figure that is mostly ramp, a probe
+    # that measures nothing): one line each, naming the ladder line and the fix; None: nothing found.
+    warnings: Mapped[list[Any] | None]
 
     arms: Mapped[list["Arm"]] = relationship(back_populates="run", order_by="Arm.id")
     slots: Mapped[list["Slot"]] = relationship(back_populates="run", order_by="Slot.idx")
@@ -249,7 +252,8 @@ class NoiseModel(Base):
 
 
 class SeriesPoint(Base):
-    """One `lab sweep` run filed under its series (ladder, engine identity, host) with the user's label."""
+    """One `lab sweep` run filed under its series (ladder and host, `<ladder>@<host>`; an earlier lab
+    added the control's config hash to the name) with the user's label and the base config it ran."""
 
     __tablename__ = "series_point"
     __table_args__ = (UniqueConstraint("series", "label"),)
@@ -259,7 +263,7 @@ class SeriesPoint(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id"), unique=True)
     ladder_name: Mapped[str] = mapped_column(String(64))
     host: Mapped[str] = mapped_column(String(200))
-    identity: Mapped[dict[str, Any]]  # engine kind, model, the control's config hash
+    identity: Mapped[dict[str, Any]]  # engine kind, model, the control's config hash, flags, env and config
     created_at: Mapped[datetime]
 
 

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, selectinload
 from lab.store import models as m
 from lab.store.db import Store
 from lab.store.rows import (ArmRecord, BootRecord, CellHealth, CellRecord, NoiseRecord, RunRecord, RunSummary,
-                            SeriesPointRecord, SlotRecord, VerdictRecord, record)
+                            SeriesPointRecord, SlotRecord, VerdictRecord, record, series_name)
 
 LIVE = ("starting", "ready")  # a boot in one of these states has a process the lab may still own
 OK = ("done",)
@@ -153,12 +153,11 @@ def boot_host(store: Store, run_id: int) -> str | None:
 
 
 def series_points(store: Store, series: str | None = None) -> list[SeriesPointRecord]:
-    """Sweep runs in the order they were filed, of one series or of all."""
+    """Sweep runs in the order they were filed, of one series (`series_name`) or of all."""
     with store.session() as s:
-        query = select(m.SeriesPoint).order_by(m.SeriesPoint.id)
-        if series is not None:
-            query = query.where(m.SeriesPoint.series == series)
-        return [record(SeriesPointRecord, row) for row in s.scalars(query).all()]
+        rows = s.scalars(select(m.SeriesPoint).order_by(m.SeriesPoint.id)).all()
+        points = [record(SeriesPointRecord, row, series=series_name(row.ladder_name, row.host)) for row in rows]
+    return [p for p in points if series is None or p.series == series]
 
 
 @dataclass(frozen=True)

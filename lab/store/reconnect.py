@@ -20,10 +20,12 @@ from typing import Any, Callable, TypeVar
 from sqlalchemy import Engine, event
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from lab.store.db import Store, StoreError
+from lab.store.db import Store, StoreDropped, StoreError, scrubbed
 
 log = logging.getLogger("lab.store")
-RECONNECT_S = 120.0  # how long a restarting server is waited for
+# How long a server that answered before is waited for: a restart takes seconds; a server gone for
+# longer ends the command in one line (lab.store.db.Store.unreachable), and it resumes later.
+RECONNECT_S = 30.0
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -39,12 +41,17 @@ def writes(fn: F) -> F:
                 return fn(store, *args, **kwargs)
             except IntegrityError:
                 raise  # a second copy of a unique row: the caller's to judge
+            except StoreDropped as exc:  # the server restarted under the write: its transaction was rolled back
+                if time.monotonic() + pause > deadline:
+                    raise
+                log.warning("%s; writing again", exc)
             except DBAPIError as exc:
                 if not _transient(store, exc) or time.monotonic() + pause > deadline:
-                    raise StoreError(f"cannot write the store: {_one_line(exc)}") from exc
+                    raise StoreError(f"cannot write the store {store.shown}: {scrubbed(_one_line(exc), store.url)}") \
+                        from exc
                 log.warning("the store did not take a write (%s); writing again", _one_line(exc))
-                time.sleep(pause)
-                pause = min(2 * pause, 5.0)
+            time.sleep(pause)
+            pause = min(2 * pause, 5.0)
     return wrapper  # type: ignore[return-value]
 
 
@@ -64,6 +71,7 @@ def retry_connects(engine: Engine) -> None:
                 return connection
             except dialect.loaded_dbapi.OperationalError as exc:
                 if not answered[0] or time.monotonic() + pause > deadline:
+                    answered[0] = False  # given up on: the cleanup that follows does not wait again
                     raise
                 log.warning("the store's server does not answer (%s); trying again", _one_line(exc))
                 time.sleep(pause)
@@ -71,12 +79,10 @@ def retry_connects(engine: Engine) -> None:
 
 
 def _transient(store: Store, exc: DBAPIError) -> bool:
-    """A failure that writing again, whole, gets past: a PostgreSQL connection a restart cut, or
-    SQLite's "database is locked", which it answers at once, without waiting out its busy timeout,
-    when a transaction that read must become a writer after another process wrote."""
-    if store.postgresql:
-        return exc.connection_invalidated
-    return "database is locked" in str(exc)
+    """A failure that writing again, whole, gets past: SQLite's "database is locked", which it
+    answers at once, without waiting out its busy timeout, when a transaction that read must become
+    a writer after another process wrote (PostgreSQL's dropped connections are StoreDropped)."""
+    return not store.postgresql and "database is locked" in str(exc)
 
 
 def _one_line(exc: BaseException) -> str:

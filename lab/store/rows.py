@@ -37,6 +37,7 @@ class RunRecord:
     owner_started: float | None
     created_at: datetime
     finished_at: datetime | None
+    warnings: list[str] | None = None  # what the first measured boot showed about the ladder
 
 
 @dataclass(frozen=True)
@@ -219,9 +220,15 @@ class NoiseRecord:
     created_at: datetime
 
 
+def series_name(ladder_name: str, host: str) -> str:
+    """A series is one ladder on one host; its base config may change from label to label."""
+    return f"{ladder_name}@{host}"
+
+
 @dataclass(frozen=True)
 class SeriesPointRecord:
-    """A `lab sweep` run filed under its series with its label."""
+    """A `lab sweep` run filed under its series with its label. `series` is `series_name` of its
+    ladder and host, also for points an earlier lab filed under `<ladder>@<host>:<config hash>`."""
 
     id: int
     series: str

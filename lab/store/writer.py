@@ -21,7 +21,7 @@ from lab.store import models as m
 from lab.store.db import Store
 from lab.store.reconnect import writes
 from lab.store.records import Step as PlannedStep
-from lab.store.records import RECEIPT_FIELDS, RunPlan, StepResult
+from lab.store.records import RECEIPT_FIELDS, PlannedSlot, RunPlan, StepResult
 
 
 def now() -> datetime:
@@ -64,6 +64,15 @@ def create_run(store: Store, *, name: str, ladder_name: str, ladder_path: str, l
 
 
 @writes
+def add_slot(store: Store, run_id: int, slot: PlannedSlot) -> None:
+    """One more planned slot of a run's arm (a tune trial booted again after a cold boot)."""
+    with store.session() as s, s.begin():
+        arm_id = s.scalars(select(m.Arm.id).where(m.Arm.run_id == run_id, m.Arm.name == slot.arm)).one()
+        s.add(m.Slot(run_id=run_id, idx=slot.idx, arm_id=arm_id, role=slot.role, position=slot.position,
+                     window=slot.window, status="pending"))
+
+
+@writes
 def claim_run(store: Store, run_id: int, pid: int, started: float | None) -> None:
     with store.session() as s, s.begin():
         run = s.get_one(m.Run, run_id)
@@ -77,6 +86,14 @@ def set_run_status(store: Store, run_id: int, status: str, reason: str | None = 
         run.status = status
         run.reason = reason
         run.finished_at = now() if status == "done" else None
+
+
+@writes
+def add_run_warnings(store: Store, run_id: int, texts: list[str]) -> None:
+    """Add warnings about the run's ladder, each once."""
+    with store.session() as s, s.begin():
+        run = s.get_one(m.Run, run_id)
+        run.warnings = list(dict.fromkeys([*(run.warnings or []), *texts]))
 
 
 @writes
@@ -209,9 +226,11 @@ def write_noise(store: Store, *, run_id: int, ladder_name: str, host: str, rows:
 @writes
 def add_series_point(store: Store, *, series: str, label: str, run_id: int, ladder_name: str, host: str,
                      identity: dict[str, Any]) -> None:
-    """File a sweep run under its series; a label already in the series is refused (ValueError)."""
+    """File a sweep run under its series; a label already in the series is refused (ValueError), also
+    one an earlier lab filed under the same ladder and host with its config hash in the series name."""
     with store.session() as s, s.begin():
-        taken = s.scalar(select(m.SeriesPoint).where(m.SeriesPoint.series == series, m.SeriesPoint.label == label))
+        taken = s.scalar(select(m.SeriesPoint).where(m.SeriesPoint.ladder_name == ladder_name,
+                                                     m.SeriesPoint.host == host, m.SeriesPoint.label == label))
         if taken is not None:
             raise ValueError(f"label {label!r} is already in series {series} (run id {taken.run_id}); pick another")
         s.add(m.SeriesPoint(series=series, label=label, run_id=run_id, ladder_name=ladder_name, host=host,

@@ -5,7 +5,9 @@ closing one window, with each candidate as an arm (`multi: true`: a trial change
 and the KEEP rule judges them on the tune's objectives (key metrics) and constraints (gates). It is
 an ordinary run (`lab ls`, `lab report`, `lab compare`, `lab serve --best` work on it) named
 `<study>-confirm`. Candidates: with one objective, the best feasible trials; with several, the
-feasible Pareto front, best first objective first. Only a kept candidate can be the winner.
+feasible Pareto front, best first objective first. Only a kept candidate can be the winner, picked
+by the rule `lab serve --best` serves by (`lab.analysis.winner`). The warm-up boot opens it as it
+opens the trials (`lab.tune.warmup`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from lab.runner.run import create_from_text, execute
 from lab.store import reader
 from lab.store.db import Store
 from lab.tune import confirmation
-from lab.tune import trial as trials
+from lab.tune import ladders, warmup
 from lab.tune.spec import TuneFile
 
-CONTROL = "C0base"
+CONTROL = ladders.CONTROL
 
 
 def candidates(study: optuna.Study, tune: TuneFile) -> list[optuna.trial.FrozenTrial]:
@@ -55,7 +57,7 @@ def confirm(store: Store, study: optuna.Study, tune: TuneFile, text: str, tune_p
     base_hash = _control_hash(tune, data, {}, {})
     arms, picked = [], []
     for t in candidates(study, tune):
-        flags, env = trials.changes(tune.space, t.params)
+        flags, env = ladders.changes(tune.space, t.params)
         if _control_hash(tune, data, flags, env) == base_hash:
             continue  # the base itself: nothing to confirm against the base
         arms.append({"name": f"T{t.number:03d}", "flags": flags, "env": {k: render.env_value(v) for k, v in env.items()},
@@ -70,9 +72,9 @@ def confirm(store: Store, study: optuna.Study, tune: TuneFile, text: str, tune_p
         if name in done:
             run = reader.find_run(store, name)
         else:
-            ladder_text = f"# confirmation of study {study.study_name}\n" + trials.ladder_text(
+            ladder_text = f"# confirmation of study {study.study_name}\n" + ladders.ladder_text(
                 tune, data, CONTROL, {}, {}, arms=arms, repeats=tune.confirm.repeats, name=tune.name,
-                warmup=bool(tune.hygiene.warmup_boot))
+                warmup=warmup.wanted(tune)[0])
             ladder = parse_ladder(ladder_text, f"{tune_path} (confirmation)")
             run = create_from_text(store, ladder, ladder_text, tune_path, name, runs_dir)
         console.print(f"confirmation run [bold]{run.name}[/]: {CONTROL} brackets "
@@ -83,5 +85,5 @@ def confirm(store: Store, study: optuna.Study, tune: TuneFile, text: str, tune_p
 
 
 def _control_hash(tune: TuneFile, data: dict[str, Any], flags: dict[str, Any], env: dict[str, Any]) -> str:
-    text = trials.ladder_text(tune, data, CONTROL, flags, env)
+    text = ladders.ladder_text(tune, data, CONTROL, flags, env)
     return render.plan(parse_ladder(text, "tune")).arms[0].config_hash

@@ -1,6 +1,6 @@
 """A study's confirmation run read back from the store: each candidate's confirmed objectives and
-verdict, and the winner (what `lab report --study` and `lab tune` print). Running it is
-`lab.tune.confirm`."""
+verdict, and the winner (what `lab report --study` and `lab tune` print), picked by the rule
+`lab serve --best` serves by (`lab.analysis.winner`). Running it is `lab.tune.confirm`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import optuna
 
-from lab.analysis import verdicts
+from lab.analysis import verdicts, winner
 from lab.analysis.stats import median_of_repeats
 from lab.store import reader
 from lab.store.db import Store
@@ -38,7 +38,7 @@ class Confirmation:
     run: str
     candidates: list[Candidate]
     winner: Candidate | None
-
+    why: str  # why the winner won (`lab.analysis.winner`, the rule `lab serve --best` serves by), or why none did
 
 
 def stored(store: Store, study: optuna.Study, tune: TuneFile) -> Confirmation | None:
@@ -55,8 +55,6 @@ def stored(store: Store, study: optuna.Study, tune: TuneFile) -> Confirmation | 
 def read(store: Store, run_id: int, name: str, picked: list[optuna.trial.FrozenTrial], tune: TuneFile) -> Confirmation:
     evidence = verdicts.load(store, run_id)
     judged = verdicts.judge(evidence)
-    maximize = [(o.direction or ("maximize" if evidence.higher_is_better(s) else "minimize")) == "maximize"
-                for o, s in zip(tune.objectives, evidence.spec.metrics)]
     found = []
     for t in picked:
         arm = f"T{t.number:03d}"
@@ -69,6 +67,5 @@ def read(store: Store, run_id: int, name: str, picked: list[optuna.trial.FrozenT
         found.append(Candidate(arm, t.number, dict(t.params), list(t.values), confirmed,
                                str(verdict.decision) if verdict else "no verdict",
                                verdict.reasons[0] if verdict and verdict.reasons else ""))
-    kept = [c for c in found if c.decision == "keep" and c.confirmed[0] is not None]
-    winner = (max(kept, key=lambda c: c.confirmed[0] if maximize[0] else -c.confirmed[0])) if kept else None
-    return Confirmation(name, found, winner)
+    best = winner.pick(judged)
+    return Confirmation(name, found, next((c for c in found if c.arm == best.arm), None), best.why)

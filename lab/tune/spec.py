@@ -3,21 +3,25 @@
 A tune file is a ladder without windows: the engine, instruments and hygiene are a ladder's, and
 instead of arms it has a search space, objectives (key metrics, with `where`), constraints (gates)
 and budgets. Every trial and the confirmation are rendered into ordinary ladders, which
-`lab.ladder.validate` checks again; this module refuses what can be told from the file alone.
+`lab.ladder.validate` checks again. `parse_tune` refuses what can be told from the file alone (a
+stored one, read back on any host); `load_tune`, for a tune about to run, also checks its base
+configuration as `lab run` checks a ladder (`lab.tune.ladders.problems`), at the file's lines.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional
 
 from pydantic import Field, ValidationError, model_validator
 
 from lab.instruments import REGISTRY
+from lab.ladder import runnable
 from lab.ladder.engines import kind_of
 from lab.ladder.errors import LadderError, Problem
 from lab.ladder.ladder import Engine, Gate, Hygiene, Instruments, MetricRef, Name, Scalar, Strict
 from lab.ladder.yaml_lines import MAX_BYTES, Located, dotted, load
+from lab.tune import ladders
 
 
 class IntRange(Strict):
@@ -76,6 +80,13 @@ class Confirm(Strict):
     threshold_pct: float = Field(2.0, ge=0, allow_inf_nan=False, description="its KEEP threshold")
 
 
+class TuneHygiene(Hygiene):
+    warmup_boot: Optional[bool] = Field(  # type: ignore[assignment]
+        None, description="boot the base configuration once, unmeasured, before a `lab tune`'s first trial (and "
+                          "before the confirmation's first control), so the first trial does not pay for the "
+                          "host's cold caches; default: on when the engine runs on CUDA")
+
+
 class TuneFile(Strict):
     name: Name
     description: str = ""
@@ -84,7 +95,7 @@ class TuneFile(Strict):
     objectives: list[Objective] = Field(min_length=1)
     constraints: list[Gate] = Field(default_factory=list, description="each trial must satisfy these (min/max)")
     instruments: Instruments = Field(default_factory=Instruments)  # type: ignore[valid-type]
-    hygiene: Hygiene = Field(default_factory=Hygiene)
+    hygiene: TuneHygiene = Field(default_factory=TuneHygiene)
     budget: Budget = Field(default_factory=Budget)
     seed: int = 0
     confirm: Confirm = Field(default_factory=Confirm)
@@ -98,7 +109,8 @@ def json_schema() -> dict[str, Any]:
 
 
 def load_tune(path: str | Path) -> tuple[TuneFile, str]:
-    """The validated tune file and its text; raises LadderError (file:line: reason)."""
+    """The validated tune file and its text, its base configuration checked as `lab run` checks a
+    ladder about to run on this host; raises LadderError (file:line: reason)."""
     label = str(path)
     try:
         raw = Path(path).read_bytes()[:MAX_BYTES + 1]
@@ -107,10 +119,29 @@ def load_tune(path: str | Path) -> tuple[TuneFile, str]:
         raise LadderError(label, [Problem(0, f"cannot read it: {exc.strerror}")]) from None
     except UnicodeDecodeError:
         raise LadderError(label, [Problem(0, "not UTF-8 text; save the file as UTF-8")]) from None
-    return parse_tune(text, label), text
+    tune, located = _parse(text, label)
+    problems = ladders.problems(tune, located, runnable.Host.this())
+    if problems:
+        raise LadderError(label, problems)
+    return tune, text
+
+
+def same_study(stored: TuneFile, given: TuneFile) -> bool:
+    """Whether `given` continues the study `stored` started: the same file but for its budget (which
+    a study may be given more of) and its description."""
+    def identity(tune: TuneFile) -> dict[str, Any]:
+        return tune.model_dump(exclude={"budget", "description"})
+
+    return identity(stored) == identity(given)
 
 
 def parse_tune(text: str, label: str) -> TuneFile:
+    """The tune file in `text`, well formed and consistent (no host checks: a stored one may come
+    from another host)."""
+    return _parse(text, label)[0]
+
+
+def _parse(text: str, label: str) -> tuple[TuneFile, Located]:
     located, problems = load(text)
     if located is None or not isinstance(located.data, dict):
         raise LadderError(label, problems or [Problem(1, "a tune file is a mapping with name, engine, space and "
@@ -122,7 +153,7 @@ def parse_tune(text: str, label: str) -> TuneFile:
     problems += _rules(tune, located)
     if problems:
         raise LadderError(label, problems)
-    return tune
+    return tune, located
 
 
 def _problem(error: Any, located: Located) -> Problem:

@@ -15,6 +15,6 @@ from lab.runner import boot  # noqa: E402
 
 _free_port = boot.free_port
 _picks = [_free_port(), int(os.environ["LAB_TEST_TAKEN_PORT"])]  # slot 0, then slot 1's first boot
-boot.free_port = lambda: _picks.pop(0) if _picks else _free_port()
+boot.free_port = lambda ports=None: _picks.pop(0) if _picks else _free_port(ports)
 
 sys.exit(main())

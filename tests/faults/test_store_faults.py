@@ -63,8 +63,8 @@ def test_a_full_disk_stops_the_run_in_one_line_and_resume_finishes_it(small_disk
     code, out = finish(lab)
     assert code == 1, out
     [line] = error_lines(out)
-    assert line.startswith("lab: run r stopped: cannot write the store: OperationalError: database or disk is full")
-    assert line.endswith("once the store can be written, `lab run --resume r` continues it")
+    assert line == (f"lab: cannot write the store {db}: OperationalError: database or disk is full; run r stays as "
+                    "it was, `lab run --resume r` continues it once the store answers again")
     assert gone_within(engine.pid, 1)
     filler.unlink()
     code, out = run(["run", "--resume", "r", *args], tmp_path)
@@ -102,7 +102,7 @@ def test_a_read_only_store_is_refused_in_one_line_before_anything_boots(
     code, out = run(["run", str(ladder(tmp_path)), "--name", "r2", "--db", str(db)], tmp_path)
     assert code == 1, out
     [line] = error_lines(out)
-    assert line == "lab: cannot write the store: OperationalError: attempt to write a readonly database", out
+    assert line == f"lab: cannot write the store {db}: OperationalError: attempt to write a readonly database", out
     assert not (tmp_path / "runs").exists()  # nothing booted
     code, out = run(["ls", "r", "--db", str(db)], tmp_path)
     assert code == 0 and "C0ctl" in out  # what only reads still works

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def run_ladder(cwd: Path, ladder: str, name: str, timeout: float, controls_only: bool = False) -> Store:
     """Write `ladder` (dedented) into `cwd`, run it as run `name`, and return its store. With
     `controls_only`, only each window's control boots, opened and closed (`lab sweep
-    --control-only`): two boots of one config, since `lab run` refuses a window without arms."""
+    --control-only`): two boots of one config."""
     (cwd / f"{name}.yaml").write_text(textwrap.dedent(ladder))
     command = (["sweep", f"{name}.yaml", "--label", name, "--control-only"] if controls_only
                else ["run", f"{name}.yaml"])

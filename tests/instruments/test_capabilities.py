@@ -113,3 +113,35 @@ def test_a_ladder_tokenizer_that_counts_otherwise_makes_the_exact_length_instrum
     assert refusal("decode", caps) is None
     assert refusal("decode", {**caps, "streamed_usage": False}) == (
         f"the engine streams no usage and its tokens cannot be counted: {why}")
+
+
+def test_an_engine_that_streams_one_token_per_chunk_has_its_completions_counted_by_chunks(
+        bench: SpeedBench, tmp_path) -> None:
+    """llama-cpp-python's server streams no usage and one token per chunk; re-tokenizing a stream's
+    text undercounts where the tokenizer merges what the model generated as separate tokens. The
+    probe checks the chunks against the same request's usage, and then counting uses them."""
+    from tests.instruments.eos_proxy import eos_proxy
+
+    # Without stream_options the bundled engine streams no usage, as llama-cpp-python's server.
+    with eos_proxy(bench.server.url, tmp_path / "proxy.log", "--drop", "stream_options") as url:
+        caps = asyncio.run(probe(Endpoint(url, f"{url}/v1", MODEL, None), 300, salt="caps-chunks"))
+    assert caps["streamed_usage"] is False and caps["chunk_count"] == {"ok": True, "checked": "8 chunks, usage 8"}, caps
+    assert "one token per chunk ✓" in summary(caps)
+
+    async def count(caps: dict) -> tuple:
+        async with StreamingClient(bench.server.url) as client:
+            streamed = await client.request({"model": MODEL, "prompt": "Session caps-chunk-count. The river and the",
+                                             "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        # Sixteen chunks whose text re-tokenizes as one token: what merging looks like to the lab.
+        bare = dataclasses.replace(streamed, usage_present=False, prompt_tokens=0, completion_tokens=0, text="river")
+        async with EngineExtras(endpoint(bench, caps)) as extras:
+            note = await count_missing_usage(extras, caps, [bare])
+        return streamed, bare, note
+
+    streamed, bare, note = asyncio.run(count(caps))
+    assert len(streamed.token_times_ns) == 16 and bare.completion_tokens == 16
+    assert bare.prompt_tokens == streamed.prompt_tokens
+    assert note == "prompt tokens counted by /tokenize, completion tokens as stream chunks (one token each, checked)"
+    unchecked = {**caps, "chunk_count": {"ok": False, "why": "not one token per chunk"}}
+    _, by_text, note = asyncio.run(count(unchecked))
+    assert by_text.completion_tokens == 1 and note == "tokens counted by /tokenize"

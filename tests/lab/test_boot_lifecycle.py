@@ -166,3 +166,25 @@ def test_engine_command_that_cannot_start_is_a_failed_boot(tmp_path, lab, store,
     reasons = {b.reason for _, b in boots(store)}
     assert reasons == {"cannot start no-such-engine-binary: No such file or directory"}
     assert "no measured boot of run" in capsys.readouterr().err
+
+
+def test_engines_listen_only_on_the_ports_the_ladder_allows(tmp_path, lab, store) -> None:
+    """A firewall, or a second lab on the host, confines the engines to a range (hygiene.ports); a
+    boot that finds every port of it taken fails with that reason, and the ladder goes on."""
+    import socket
+
+    from lab.runner.boot import free_port
+
+    first = free_port()
+    path = ladder_with(tmp_path, "{name: A1, flags: {seqs: 2}}", hygiene=f"hygiene: {{ports: [{first}, {first}]}}\n")
+    assert lab("run", str(path)) == 0
+    assert [boot.port for _, boot in boots(store)] == [first, first, first]
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the last boot left it in TIME_WAIT
+        taken.bind(("127.0.0.1", first))
+        taken.listen()
+        assert lab("run", str(path)) == 1
+    rows = [(slot, boot) for slot, boot in boots(store) if boot.run_id == 2]
+    assert [(boot.status, boot.reason) for _, boot in rows] == [("failed", f"no free port in {first}-{first} "
+                                                                           "(hygiene.ports)")] * 3
+    assert "{port}" in rows[0][1].argv  # what would have run, the port left unfilled

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from lab.ladder.errors import LadderError
+from lab.ladder.render import plan
 from lab.ladder.runnable import Host
 from lab.ladder.validate import load_ladder
 from lab.store import models as m
@@ -35,7 +36,12 @@ hygiene: {min_mem_available_gib: 1}
 """
 ARM = "      - {name: A1, flags: {max-num-seqs: 4}}\n"
 WHERE = "{metric: decode.agg_tok_s, where: {level: 2}}"
-HOST = Host(mem_total_bytes=16 * 1024**3)
+HOST = Host(mem_total_bytes=16 * 1024**3, cpus=frozenset({0, 1}))
+NEIGHBOUR = "hygiene:\n  neighbour: {command: %s, cpus: %s}\n"
+
+
+def neighbour(command: str, cpus: str = "[0]") -> bytes:
+    return variant("hygiene: {min_mem_available_gib: 1}\n", NEIGHBOUR % (command, cpus)).encode()
 
 
 def variant(old: str, new: str) -> str:
@@ -61,7 +67,6 @@ REFUSED: list[tuple[str, bytes, int, str]] = [
     ("alias that contains itself", (GOOD + "loop: &loop [*loop]\n").encode(), 18, "contains it"),
     ("5,000 levels deep", (GOOD + "deep: " + "[" * 5000 + "]" * 5000 + "\n").encode(), 18, "nest deeper than 32"),
     ("too large", (GOOD + "#" * (1 << 20) + "\n").encode(), 0, "a ladder may be at most"),
-    ("window with no arms", variant("    arms:\n" + ARM, "    arms: []\n").encode(), 7, "window W1 has no arms"),
     ("prefill length beyond the context", variant("[256]", "[9000]").encode(), 12,
      "a request of 9,001 tokens does not fit the context of 2,048 that the base engine boots with"),
     ("prefill length beyond an arm's context", variant(ARM, "      - {name: A1, flags: {max-model-len: 512}}\n")
@@ -87,6 +92,16 @@ REFUSED: list[tuple[str, bytes, int, str]] = [
      17, "100000 GiB is more than this host has (16.0 GiB in all)"),    ("probe prompt below the probe's own minimum",
      variant("min_mem_available_gib: 1}", "min_mem_available_gib: 1, probe_prompt_tokens: 10}").encode(), 17,
      "hygiene.probe_prompt_tokens: Input should be greater than or equal to 64"),
+    ("neighbour pinned to a CPU the host lacks", neighbour("[python3, -c, pass]", "[0, 7]"), 18,
+     "hygiene.neighbour.cpus: this host has no CPU 7 the lab may use (it may use 0, 1)"),
+    ("neighbour with no command", neighbour("[]"), 18,
+     "hygiene.neighbour.command: List should have at least 1 item"),
+    ("neighbour with an empty program", neighbour("['', -c, pass]"), 18,
+     "command: the program (its first element) is empty"),
+    ("neighbour whose program is not there", neighbour("[no-such-program-here, -x]"), 18,
+     "hygiene.neighbour.command: 'no-such-program-here' is not a program on this host's PATH"),
+    ("neighbour on a negative CPU", neighbour("[python3]", "[-1]"), 18,
+     "Input should be greater than or equal to 0"),
 ]
 
 
@@ -152,6 +167,13 @@ def test_the_good_ladder_is_accepted_and_aliases_within_bounds_are_kept(tmp_path
                     .replace(ARM, "      - {name: A1, flags: {max-num-seqs: 4}, note: *why}\n"))
     ladder, _ = load_ladder(path, host=HOST)
     assert ladder.windows[0].arms[0].note == "tune the step budget"
+
+
+def test_a_window_with_no_arms_is_accepted_and_plans_one_measured_boot(tmp_path: Path) -> None:
+    path = tmp_path / "once.yaml"
+    path.write_text(variant("    arms:\n" + ARM, "    arms: []\n"))
+    ladder, _ = load_ladder(path, host=HOST)  # its key metric is measured, not judged
+    assert [(slot.role, slot.position) for slot in plan(ladder).slots] == [("control", "open")]
 
 
 def test_dry_run_of_an_alias_bomb_is_one_line_and_exit_2(tmp_path: Path, lab, capsys) -> None:
@@ -239,3 +261,14 @@ def test_a_command_engine_that_names_a_readable_tokenizer_passes(tmp_path: Path,
     path = tmp_path / "c.yaml"
     path.write_text(COMMAND.format(executable="python3", tokenizer="smollm2-135m"))
     assert lab("run", "--dry-run", "c.yaml") == 0, capsys.readouterr().err
+
+
+def test_dry_run_prints_the_command_each_arm_boots(tmp_path: Path, lab, capsys) -> None:
+    """What a command engine will run is visible before anything boots: its argv with the arm's
+    flags rendered, the port left as the template the lab fills at each boot."""
+    (tmp_path / "c.yaml").write_text(COMMAND.format(executable="python3", tokenizer="smollm2-135m")
+                                     .replace("command: [", "env: {FOO: bar}\n  command: ["))
+    assert lab("run", "--dry-run", "c.yaml") == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "W1ctl: FOO=bar python3 -m some.server --port '{port}'\n" in out
+    assert "A1: FOO=bar python3 -m some.server --port '{port}' --seqs 2\n" in out

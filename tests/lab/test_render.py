@@ -58,6 +58,19 @@ def test_repeats_interleave_every_arm_with_controls() -> None:
     assert len([a for a in p.arms if a.name == "C1"]) == 1  # one arm, booted twice
 
 
+def test_a_window_with_no_arms_boots_its_control_once_or_repeats_times() -> None:
+    armless = BUNDLED.replace("""        arms:
+          - {name: D1, flags: {enable-prefix-caching: false}}
+""", "")
+    p = plan(ladder(armless))
+    assert [(s.arm, s.role, s.position) for s in p.slots if s.window != "W1"] == [
+        ("C0ctl", "warmup", "warmup"), ("W2ctl", "control", "open")]
+    p = plan(ladder(armless.replace("hygiene: {warmup_boot: true}", "repeats: 3")))
+    assert [(s.arm, s.position) for s in p.slots if s.window == "W2"] == [
+        ("W2ctl", "open"), ("W2ctl", "between"), ("W2ctl", "close")]
+    assert [(s.arm, s.position) for s in p.slots if s.window == "W1"][-1] == ("C0ctl", "close")
+
+
 def test_a_warmup_list_boots_each_named_config_once_before_the_first_window() -> None:
     p = plan(ladder(BUNDLED.replace("warmup_boot: true", "warmup_boot: [C0ctl, D1]")))
     assert [(s.arm, s.role, s.window) for s in p.slots[:3]] == [

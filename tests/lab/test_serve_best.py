@@ -49,6 +49,7 @@ def test_best_serves_the_kept_arm_and_answers_a_completion(kv_series: Path) -> N
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert "arm A1kv16m of run kv (window W1): keep (memory.kv_pool_tokens +100.0 %" in out
+    assert "why this arm: the only arm kept" in out  # the rule `lab tune` names its winner by
     assert f"config hash {stats['config_hash']}" in out
     assert f"--port {port} --model dummy:tiny" in out
 

@@ -72,14 +72,62 @@ def test_a_regression_then_a_recovery_leaves_nothing_to_flag() -> None:
     assert regressed_since(found) is None
 
 
-def test_history_check_names_the_metric_the_change_and_the_first_label_of_the_regression() -> None:
-    from lab.report.history import History, MetricHistory, Point
+def history_of(values: list[float], drift_pct: float | None = None, bases: tuple[int, ...] = (0,)):
+    """A one-metric History of `values` (decode tok/s, higher is better), its base changing at the label
+    indexes `bases`, each label's two controls disagreeing by `drift_pct`."""
+    from lab.report.history import Base, History, MetricHistory, Point, Segment
 
-    values = noisy([200.0] * 6 + [180.0] * 3)
-    points = [Point(label, f"run-{label}", v, [v], None) for label, v in zip(LABELS, values)]
-    mh = MetricHistory("decode.agg_tok_s[level=4]", "tok/s", True, points,
-                       analyse(values, higher_is_better=True, threshold_pct=2))
-    history = History("nightly@host:abcd1234", 2.0, [mh])
+    history = History("nightly@host", 2.0, list(LABELS[:len(values)]),
+                      [Base(i, LABELS[i], f"hash{i:04d}", "" if i == 0 else "flags +x=1") for i in bases])
+    points = [Point(label, f"run-{label}", v, [v], drift_pct, sum(i >= b for b in bases) - 1)
+              for i, (label, v) in enumerate(zip(LABELS, values))]
+    mh = MetricHistory("decode.agg_tok_s[level=4]", "tok/s", True, points)
+    for base in range(len(bases)):
+        mine = [p for p in points if p.base == base]
+        mh.segments.append(Segment(base, mine, analyse([p.value for p in mine], True, 2.0,
+                                                       [drift_pct] * len(points) if drift_pct else ())))
+    history.metrics.append(mh)
+    return history
+
+
+def test_history_check_names_the_metric_the_change_and_the_first_label_of_the_regression() -> None:
+    from lab.report.history import Outcome
+
+    history = history_of(noisy([200.0] * 6 + [180.0] * 3))
     [line] = history.regressions()
     assert line.startswith("decode.agg_tok_s[level=4] regressed -9.") and "since label n06 (run run-n06)" in line
     assert history.pending() == []
+    check = history.check()
+    assert check.outcome is Outcome.REGRESSION and check.regressions == [line]
+    assert check.summary.startswith("series nightly@host: 1 metric(s) regressed (labels n00 … n08)")
+
+
+def test_a_regression_under_an_earlier_base_is_not_compared_with_the_new_one() -> None:
+    from lab.report.history import Outcome
+
+    # 200 → 180 is a 10 % fall, but the base changed at n06: the levels before it are another config's.
+    history = history_of(noisy([200.0] * 6 + [180.0] * 3), bases=(0, 6))
+    check = history.check()
+    assert check.outcome is Outcome.OK and check.regressions == []
+    assert check.summary == ("series nightly@host: no regression in 1 metric(s) over 3 labels (n06 … n08) since "
+                             "the base changed at label n06")
+    only_new = history_of(noisy([200.0] * 6 + [180.0]), bases=(0, 6)).check()
+    assert only_new.outcome is Outcome.BASE_CHANGED and only_new.outcome == 4
+    assert "the base changed at label n06 (flags +x=1); nothing under it to compare with yet" in only_new.summary
+    assert history_of([200.0]).check().outcome is Outcome.NO_DATA == 3
+
+
+def test_the_detectable_change_is_stated_from_the_noise_the_gate_uses() -> None:
+    # A busy host: each label's two controls disagree by 11 %, so a 10 % regression is inside the noise.
+    busy = history_of(noisy([200.0] * 6 + [180.0] * 3), drift_pct=11.0)
+    assert busy.regressions() == []
+    [line] = busy.detectable()
+    assert line == ("decode.agg_tok_s[level=4]: changes larger than ±11.0 %, set by the controls' median drift "
+                    "within a label (11.00 %)")
+    [quiet] = history_of(noisy([200.0] * 9)).detectable()
+    assert quiet.startswith("decode.agg_tok_s[level=4]: changes larger than ±2.0 %, set by the KEEP threshold (2 %)")
+    [jumpy] = history_of(noisy([200.0] * 9, sd_pct=3)).detectable()
+    assert "set by the label-to-label noise (3 × " in jumpy and "robust SD, from 8 differences)" in jumpy
+    [young] = history_of(noisy([200.0] * 3)).detectable()
+    assert young.endswith("the label-to-label noise is not estimated yet (2 of the 3 differences it needs), so this "
+                          "is a floor")

@@ -63,7 +63,8 @@ def test_single_values_carry_no_interval(store) -> None:
     row = comparison.rows[0]
     assert row.a == 1005.0 and row.noise_band_pct == {"W1": pytest.approx(10 / 1005 * 100)}
     assert row.statistics.test == "none"
-    assert row.statistics.text == "n 2 vs 1: no interval (needs ≥ 2 samples per side)"
+    assert row.statistics.text == ("2 vs 1 boots give a difference, not an interval: 3 or more a side, or a "
+                                   "calibration (`lab calibrate`), give one")
     assert comparison.verdicts["C0ctl"] is None and comparison.verdicts["A1"]["decision"] == "keep"
 
 
@@ -203,3 +204,43 @@ def test_an_arm_without_a_value_says_why(store) -> None:
     row = compare(store, "A1", "A2").rows[0]
     assert row.a is None and row.note == ("no value from A1 (memory.kv_pool_tokens: 1 invalid cell(s) from A1 "
                                           "left out (the response carried no usage))")
+
+
+TWO_BOOTS_A_SIDE = """\
+name: twice
+engine:
+  kind: bundled
+  model: dummy:tiny  # what is tested is the statistics of two boots a side, not the model
+  flags: {device: cpu, max-model-len: 512, kv-cache-memory-bytes: 8388608}
+repeats: 2
+windows:
+  - name: W1
+    control: C0ctl
+    arms:
+      - {name: A1kv16m, flags: {kv-cache-memory-bytes: 16777216}}
+      - {name: A2kv32m, flags: {kv-cache-memory-bytes: 33554432}}
+instruments:
+  memory:
+keep:
+  metrics: [memory.kv_pool_tokens]
+"""
+
+
+@pytest.mark.slow
+def test_two_boots_a_side_give_a_difference_and_say_what_would_give_an_interval(tmp_path: Path) -> None:
+    (tmp_path / "twice.yaml").write_text(TWO_BOOTS_A_SIDE)
+    done = lab_cli(["run", "twice.yaml", "--db", "lab.db"], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shown = lab_cli(["compare", "A1kv16m", "A2kv32m", "--db", "lab.db"], tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    out = " ".join(shown.stdout.split())
+    assert ("memory.kv_pool_tokens: 2 boots a side give a difference, not an interval: 3 or more a side, or a "
+            "calibration (`lab calibrate`), give one") in out
+    assert "n 2 vs 2: no CI (needs 3 a side)" in out and "established" not in out and "CI [" not in out
+    data = json.loads(lab_cli(["compare", "A1kv16m", "A2kv32m", "--json", "--db", "lab.db"], tmp_path).stdout)
+    row = data["rows"][0]
+    assert data["a"]["boots"] == ["A1kv16m", "A1kv16m"] and data["b"]["boots"] == ["A2kv32m", "A2kv32m"]
+    assert row["delta_pct"] > 50 and row["change"] == "better"  # twice the KV memory: a difference, stated
+    stats = row["statistics"]
+    assert (stats["test"], stats["n_a"], stats["n_b"], stats["ci_low_pct"], stats["ci_high_pct"]) == (
+        "none", 2, 2, None, None)

@@ -189,3 +189,19 @@ def test_keep_and_timeline_figures_show_every_arm_and_boot(constructed) -> None:
     assert "cold (never used for KEEP)" in legend(timeline)
     for figure in (keep, timeline):
         assert_png(figures.png(figure))
+
+
+def test_invalid_cells_are_named_in_the_figure_table_and_under_their_figure(store, tmp_path: Path) -> None:
+    """A level whose streams an engine interrupted stores invalid cells; the report says so where the
+    figure and the table would show them, instead of drawing the ladder without that level."""
+    interrupted = "the stream was cut after 1 of 8 tokens: another request interrupted it"
+    cells = cells_of(1.0)
+    cells["decode"] += [Cell(metric, None, "tok/s", params={figures.DECODE_X: 16}, valid=False, note=interrupted,
+                             requests=[]) for metric in (figures.DECODE_AGGREGATE, figures.DECODE_PER_STREAM)]
+    build_run(store, {"C0ctl/open": Boot(cells=cells), "A1": Boot(cells=cells_of(1.2)),
+                      "A2": Boot(cells=cells_of(0.9)), "C0ctl/close": Boot(cells=cells_of(1.01))})
+    markdown = (write_report(store, None, tmp_path / "reports") / "index.md").read_text()
+    assert ("2 decode cells are invalid and left out of this figure (level=16 (C0ctl/open)); the commonest "
+            f"reason (2 of them): {interrupted}") in markdown
+    rows = [line for line in markdown.splitlines() if "level=16" in line and line.startswith("| decode")]
+    assert len(rows) == 2 and all("invalid" in row and interrupted in row for row in rows), rows
