@@ -13,6 +13,8 @@
 #   calibrate:NAME   `lab calibrate ladders/NAME.yaml --boots 3` into the same store (run it before ladder:NAME)
 #   kernels          the kernels' micro-benchmarks (benchmarks/kernels/)
 #   cpu              `lab engine bench --device cpu` of SmolLM2's shape on two of the host's cores
+#   overload         the bundled server (dummy:llama3-8b, a 64K-token KV pool, --max-waiting 16) under
+#                    benchmarks/overload.py: 40 prompts of 8K tokens, then 8 streams once the queue is full
 #
 # Stores come back xz-compressed ($OUT/NAME.db.xz); `lab report --db NAME.db.xz` writes their reports.
 set -u
@@ -68,6 +70,14 @@ run_stage() {
              timeout 90 python3 benchmarks/kernels/bench_kernels.py ;;
     cpu) OMP_NUM_THREADS=2 timeout 200 taskset -c 0,1 python3 -m lab.engine bench --device cpu \
            --model dummy:smollm2-135m --prefill-lengths 512 --repeats 2 --served --json "$OUT/bench_cpu.json" ;;
+    overload) python3 -m lab.engine serve --model dummy:llama3-8b --dtype bfloat16 --max-model-len 16384 \
+             --kv-cache-memory-bytes 8589934592 --max-num-seqs 64 --max-waiting 16 --port 8123 \
+             > "$OUT/overload-server.txt" 2>&1 &
+           server=$!
+           timeout 450 python3 benchmarks/overload.py --url http://127.0.0.1:8123 --requests 40 --streams 8 \
+             --prompt-tokens 8192 --max-tokens 256 --timeout 300 --json "$OUT/overload.json"
+           echo "overload.py exit $?"
+           kill "$server"; wait "$server" ;;
     *) echo "h200.sh: no stage $stage" ;;
   esac
 }

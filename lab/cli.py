@@ -144,7 +144,9 @@ def _calibration_stopped(done: Calibration, args: argparse.Namespace) -> int:
 
 
 def _calibrate_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ladder", metavar="LADDER.yaml", help="the ladder whose key metrics to calibrate")
+    parser.add_argument("ladder", nargs="?", metavar="LADDER.yaml", help="the ladder whose key metrics to calibrate")
+    parser.add_argument("--resume", metavar="RUN", help="finish an interrupted calibration and measure its noise; "
+                                                        "no LADDER")
     parser.add_argument("--boots", type=int, default=7, metavar="N",  # lab.runner.run.SUGGESTED_CALIBRATION_BOOTS
                         help="control boots in the A/A window (at least 3; default 7)")
     parser.add_argument("--name", help="name of the calibration run (default: <ladder>-calibration-<date>-<time>)")
@@ -156,20 +158,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from lab.runner import calibrate
     from lab.store.db import open_store
 
+    if bool(args.ladder) == bool(args.resume):
+        raise UsageError("give either LADDER.yaml or --resume RUN")
     store = open_store(args.db)
     try:
         try:
-            done = calibrate.run_calibration(store, args.ladder, args.boots, _console(), name=args.name,
-                                             runs_dir=args.runs_dir)
+            done = (calibrate.resume_calibration(store, args.resume, _console()) if args.resume else
+                    calibrate.run_calibration(store, args.ladder, args.boots, _console(), name=args.name,
+                                              runs_dir=args.runs_dir))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     finally:
         store.close()
     _print_noise(done)
     if done.stopped:
-        _error(f"calibration {done.run.name} interrupted: the noise above is from the control boots that finished"
-               if done.rows else f"calibration {done.run.name} interrupted before 3 warm control boots: no noise "
-                                 "stored")
+        _error((f"calibration {done.run.name} interrupted: the noise above is from the control boots that finished"
+                if done.rows else f"calibration {done.run.name} interrupted before 3 warm control boots: no noise "
+                                  "stored") + f"; `lab calibrate --resume {done.run.name}` finishes it")
         return 130
     if not done.rows:
         _error(f"no key metric had 3 warm control boots; `lab ls {done.run.name}` shows what happened")
@@ -470,7 +475,10 @@ EXIT_BASE_STAYS = 3
 def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
-    from lab.store.db import open_store
+    import optuna
+
+    from lab.runner.errors import Interrupted
+    from lab.store.db import StoreError, open_store, scrubbed
     from lab.tune import confirm, study
     from lab.tune.spec import json_schema, load_tune
 
@@ -485,8 +493,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return _tune_dry_run(args, tune, text)
     store = open_store(args.db)
     try:
-        outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker,
-                            trials=args.trials)
+        try:
+            outcome = study.run(store, args.tune, args.name, args.runs_dir, console, worker=args.worker,
+                                trials=args.trials)
+        except Interrupted as exc:
+            name = exc.args[0] if exc.args else args.name or tune.name
+            _error(f"interrupted; study {name} goes on when `lab tune {args.tune}` is run again with the same "
+                   "--name and --db")
+            return 130
+        except optuna.exceptions.StorageInternalError as exc:
+            # Optuna's own message blames the data; the database's error is the cause.
+            cause = exc.__cause__ or exc
+            reason = scrubbed(f"{type(cause).__name__}: {' '.join(str(cause).split())}", store.url)
+            raise StoreError(f"the study's store failed: {reason}; `lab tune {args.tune}` run again goes on") from exc
         name = outcome.study.study_name
         console.print(f"study {name}: {outcome.complete} trials measured, {outcome.failed} failed", highlight=False)
         if outcome.stopped:
@@ -692,7 +711,8 @@ def _console(stdout: bool = False):  # -> rich.console.Console
 def _error(message: str) -> None:
     from rich.markup import escape
 
-    _console().print(f"[bold red]lab:[/] {escape(message)}", highlight=False)
+    # soft_wrap: one line however long, so a script or a CI log gets the whole message on it.
+    _console().print(f"[bold red]lab:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def _setup_logging(verbose: int) -> None:

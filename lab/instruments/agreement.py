@@ -152,7 +152,8 @@ class AgreementInstrument:
         n, max_tokens = params.size()
         prompts = PROMPTS[:n]
         payloads = [_payload(ctx.model, text, max_tokens, params) for _, text in prompts]
-        async with StreamingClient(ctx.api_base, api_key=ctx.api_key, timeout=params.request_timeout_s,
+        async with StreamingClient(ctx.api_base, api_key=ctx.api_key,
+                                   timeout=min(params.request_timeout_s, ctx.request_timeout_s),
                                    max_connections=params.concurrency) as client:
             receipts = await client.run_all(payloads, params.concurrency)
         failed = [pid for (pid, _), r in zip(prompts, receipts) if r.error is not None]

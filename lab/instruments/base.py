@@ -80,6 +80,8 @@ class BootContext:
     capabilities: dict[str, Any] | None = None
     # The runner's hold on the engine's process (restart, offline figures); None outside `lab run`.
     engine: EngineControl | None = None
+    # The ladder's `engine.request_timeout_s`: how long to wait for the next bytes of any answer.
+    request_timeout_s: float = 600.0
 
 
 class Instrument(Protocol):

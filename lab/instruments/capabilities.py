@@ -94,6 +94,7 @@ class Endpoint:
     model: str
     api_key: str | None
     capabilities: dict[str, Any] | None = None
+    request_timeout_s: float = 600.0
 
 
 async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: bool = True,
@@ -105,6 +106,7 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
     False with `error` when the large request failed."""
     caps: dict[str, Any] = {}
     async with EngineExtras(endpoint) as extras, StreamingClient(endpoint.base_url, endpoint.api_key,
+                                                                  timeout=endpoint.request_timeout_s,
                                                                   max_connections=1) as client:
         caps["tokenizer"] = await extras.find_tokenizer()
         via = caps["tokenizer"]

@@ -135,7 +135,8 @@ class DecodeInstrument:
                 result.cells += [Cell(metric, None, "", p, valid=False, note=cut, requests=[])
                                  for p in many if p["level"] == level]
             return result
-        async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key, max_connections=level,
+        async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
+                                                                 timeout=ctx.request_timeout_s, max_connections=level,
                                                                  late_read_ms=params.late_read_ms) as client:
             eos = (ctx.capabilities or {}).get("ignore_eos")
             if eos is None:  # not probed at boot: a 400 to a request with it means it is refused

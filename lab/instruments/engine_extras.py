@@ -33,15 +33,16 @@ class Boot(Protocol):
     model: str
     api_key: str | None
     capabilities: dict[str, Any] | None
+    request_timeout_s: float  # how long to wait for the next bytes of an answer
 
 
 class EngineExtras:
     """One boot's optional endpoints. Use as `async with EngineExtras(ctx) as extras:`."""
 
-    def __init__(self, ctx: Boot, timeout: float = 600.0) -> None:
+    def __init__(self, ctx: Boot, timeout: float | None = None) -> None:
         self._ctx = ctx
         headers = {"Authorization": f"Bearer {ctx.api_key}"} if ctx.api_key else {}
-        self._http = httpx.AsyncClient(timeout=timeout, headers=headers, trust_env=False)
+        self._http = httpx.AsyncClient(timeout=timeout or ctx.request_timeout_s, headers=headers, trust_env=False)
         self._max_model_len: int | None = None
         self._max_model_len_asked = False
         # The probe's finding; without one (an instrument run outside `lab run`), `/tokenize`.

@@ -82,7 +82,7 @@ async def stats_receipt(ctx: BootContext) -> Receipt:
     receipt = Receipt(request_id=f"stats-{ctx.salt}", endpoint="/v1/stats", payload={},
                       t_queued_ns=time.perf_counter_ns())
     headers = {"Authorization": f"Bearer {ctx.api_key}"} if ctx.api_key else {}
-    async with httpx.AsyncClient(timeout=30.0, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=min(30.0, ctx.request_timeout_s), headers=headers) as client:
         receipt.t_sent_ns = time.perf_counter_ns()
         try:
             response = await client.get(f"{ctx.base_url}/v1/stats")

@@ -83,6 +83,7 @@ class MixedInstrument:
                     "messages": chat_messages(request_salt(ctx.salt, self.name, rep, salt_part), SHORT_QUESTION)}
 
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
+                                                                 timeout=ctx.request_timeout_s,
                                                                  max_connections=2) as client:
             alone = await client.request(short("alone"))
             result.receipts.append(alone)

@@ -143,6 +143,7 @@ class NeedleInstrument:
 
         connections = 1 + params.resident_sessions
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
+                                                                 timeout=ctx.request_timeout_s,
                                                                  max_connections=connections) as client:
             if await extras.random_weights():
                 note = random_weights_note(ctx.model)

@@ -97,6 +97,7 @@ class PrefillInstrument:
         result = StepResult()
         rates: list[tuple[float, int]] = []  # (tok/s, receipt index) of the valid repeats
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
+                                                                 timeout=ctx.request_timeout_s,
                                                                  max_connections=1) as client:
             limit = await extras.max_model_len()
             for warmup in range(params.warmup_reps):

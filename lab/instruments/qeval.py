@@ -164,7 +164,8 @@ class QevalInstrument:
         payloads = [{"model": ctx.model, "messages": list(t.messages),
                      "max_tokens": math.ceil(t.max_tokens * params.max_tokens_scale),
                      "temperature": 0, "seed": params.seed} for t in tasks]
-        async with StreamingClient(ctx.api_base, api_key=ctx.api_key, timeout=params.request_timeout_s,
+        async with StreamingClient(ctx.api_base, api_key=ctx.api_key,
+                                   timeout=min(params.request_timeout_s, ctx.request_timeout_s),
                                    max_connections=params.concurrency) as client:
             receipts = await client.run_all(payloads, params.concurrency)
         items = []

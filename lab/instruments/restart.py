@@ -144,6 +144,7 @@ class RestartInstrument:
                     "ignore_eos": True}
 
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
+                                                                 timeout=ctx.request_timeout_s,
                                                                  max_connections=1) as client:
             started = time.perf_counter()
             for turn in range(params.turns):

@@ -156,6 +156,7 @@ class SoakInstrument:
         assert isinstance(params, SoakParams)
         connections = params.sessions * (1 + params.subagents) + 1
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
+                                                                 timeout=ctx.request_timeout_s,
                                                                  max_connections=connections) as client:
             sessions = Sessions(params, client, ctx.model, ctx.salt, ctx.log)
             await sessions.size_words(extras)

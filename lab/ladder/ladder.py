@@ -37,6 +37,10 @@ class BundledEngine(Strict):
                                    description="seconds from start until a real completion must be answered")
     stop_grace_s: float = Field(10.0, ge=0,
                                 description="seconds between SIGTERM and SIGKILL to the engine's process group")
+    request_timeout_s: float = Field(600.0, gt=0,
+                                     description="seconds the lab waits for the next bytes of an answer while it "
+                                                 "measures; an engine silent this long, and to a 1-token completion "
+                                                 "after it, is hung and its boot ends")
 
 
 class CommandEngine(Strict):
@@ -65,6 +69,10 @@ class CommandEngine(Strict):
                                                      "counts as the engine does")
     ready_timeout_s: float = Field(900.0, gt=0)
     stop_grace_s: float = Field(30.0, ge=0)
+    request_timeout_s: float = Field(600.0, gt=0,
+                                     description="seconds the lab waits for the next bytes of an answer while it "
+                                                 "measures; an engine silent this long, and to a 1-token completion "
+                                                 "after it, is hung and its boot ends")
 
     @model_validator(mode="after")
     def _executable_named(self) -> "CommandEngine":

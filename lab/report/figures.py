@@ -38,7 +38,7 @@ CONTROLS = "controls"
 LEGEND_ROWS = 24
 DECISION_COLOURS = {"keep": "#2ca02c", "reject": "#d62728", "inconclusive": "#e6a700"}
 STATUS_COLOURS = {"done": "#2ca02c", "failed": "#d62728", "refused": "#ff7f0e", "died": "#9467bd",
-                  "interrupted": "#7f7f7f", "starting": "#bcbd22", "ready": "#bcbd22"}
+                  "hung": "#8c564b", "interrupted": "#7f7f7f", "starting": "#bcbd22", "ready": "#bcbd22"}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from rich.console import Console
 from lab.analysis import effects, verdicts
 from lab.analysis.stats import median_of_repeats, noise_band
 from lab.ladder.validate import load_ladder, parse_ladder
-from lab.runner.errors import Interrupted
+from lab.runner.errors import Interrupted, RunError
 from lab.runner.run import create_from_text, execute
 from lab.store import reader, writer
 from lab.store.db import Store
@@ -34,6 +35,8 @@ from lab.store.rows import RunRecord
 
 log = logging.getLogger("lab.calibrate")
 MIN_BOOTS = 3  # two controls bracket the third: one A/A effect
+# The derived ladder's first line ends with this and the original ladder's `repeats:`.
+REPEATS = "the ladder's repeats:"
 MAX_BOOTS = 21  # one window: the ladder's `repeats:` (at most 20) + 1
 
 
@@ -63,6 +66,23 @@ def run_calibration(store: Store, ladder_path: str | Path, boots: int, console: 
     return Calibration(run, repeats, measure(store, run.id, repeats), stopped)
 
 
+def resume_calibration(store: Store, ref: str, console: Console, time_budget_s: float | None = None) -> Calibration:
+    """Finish a calibration a Ctrl-C, SIGTERM, kill or time budget stopped: boot what is left of it,
+    then measure its noise, as `run_calibration` would have."""
+    run = reader.find_run(store, ref)
+    found = re.match(rf"# A/A calibration of .*; {re.escape(REPEATS)} (\d+)\n", run.ladder_text)
+    if found is None:
+        raise RunError(f"run {run.name} is not a calibration; `lab run --resume {run.name}` finishes it")
+    repeats = int(found.group(1))
+    console.print(f"calibration run [bold]{run.name}[/] (id {run.id}): resumed")
+    stopped = None
+    try:
+        stopped = execute(store, run, console, time_budget_s).out_of_time
+    except Interrupted:
+        stopped = "interrupted"
+    return Calibration(run, repeats, measure(store, run.id, repeats), stopped)
+
+
 def create(store: Store, ladder_path: str | Path, boots: int, name: str | None,
            runs_dir: str | Path = "runs") -> tuple[RunRecord, int]:
     """Validate the ladder, then store the A/A run (its control booted `boots` times in one window);
@@ -83,7 +103,7 @@ def create(store: Store, ladder_path: str | Path, boots: int, name: str | None,
     data["hygiene"] = {**(data.get("hygiene") or {}), "warmup_boot": True}
     description = f"A/A calibration of {ladder.name} ({Path(ladder_path).name}), {boots} control boots"
     data["description"] = description
-    derived = f"# {description}; the ladder's repeats: {ladder.repeats}\n" + yaml.safe_dump(data, sort_keys=False)
+    derived = f"# {description}; {REPEATS} {ladder.repeats}\n" + yaml.safe_dump(data, sort_keys=False)
     run = create_from_text(store, parse_ladder(derived, f"{ladder_path} (calibration)"), derived, ladder_path,
                            name, runs_dir, stem=f"{ladder.name}-calibration")
     return run, ladder.repeats

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import subprocess
 import tempfile
 import time
@@ -15,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lab.ladder.engines import Launch
-from lab.runner.boot import EngineProcess
+from lab.runner.parent_death import dies_with_parent
+from lab.runner.boot import EngineProcess, stop_group
 from lab.store import writer
 from lab.store.db import Store
 
@@ -41,24 +43,17 @@ class ProcessControl:
         self.restarts = 0
 
     async def restart(self) -> float:
-        return await asyncio.to_thread(self._restart)
+        started = time.perf_counter()
+        self.status("restarting the engine")
+        await asyncio.to_thread(self.proc.stop, self.stop_grace_s)
+        await self._start_again()
+        return time.perf_counter() - started
 
     async def offline(self, args: list[str]) -> dict[str, Any]:
         if self.offline_argv is None:
             raise NotImplementedError("offline figures need the bundled engine's `lab engine bench`")
-        return await asyncio.to_thread(self._offline, args)
-
-    def _restart(self) -> float:
-        started = time.perf_counter()
-        self.status("restarting the engine")
-        self.proc.stop(self.stop_grace_s)
-        self._start_again()
-        return time.perf_counter() - started
-
-    def _offline(self, args: list[str]) -> dict[str, Any]:
-        assert self.offline_argv is not None
         self.status("stopping the engine for offline figures")
-        self.proc.stop(self.stop_grace_s)
+        await asyncio.to_thread(self.proc.stop, self.stop_grace_s)
         with tempfile.TemporaryDirectory(prefix="lab-offline-") as tmp:
             out = Path(tmp) / "bench.json"
             argv = [*self.offline_argv, *args, "--json", str(out)]
@@ -67,32 +62,46 @@ class ProcessControl:
             with open(self.proc.log_path, "ab") as engine_log:
                 engine_log.write(f"\n== lab engine bench: {' '.join(argv)}\n".encode())
                 engine_log.flush()
+                bench = subprocess.Popen(argv, env=self.proc.env, stdin=subprocess.DEVNULL, stdout=engine_log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=dies_with_parent(signal.SIGTERM))
                 try:
-                    done = subprocess.run(argv, env=self.proc.env, stdin=subprocess.DEVNULL, stdout=engine_log,
-                                          stderr=subprocess.STDOUT, timeout=3 * self.ready_timeout_s,
-                                          start_new_session=True)
-                    code = done.returncode
-                except subprocess.TimeoutExpired:
+                    code: int | None = await asyncio.wait_for(_exit_status(bench), 3 * self.ready_timeout_s)
+                except asyncio.TimeoutError:
                     code = None
+                finally:  # timed out, or the lab is being stopped: the bench's group goes too
+                    if bench.poll() is None:
+                        stop_group(bench.pid, self.stop_grace_s)
+                    bench.wait()
             figures = json.loads(out.read_text()) if code == 0 and out.exists() else None
-        self._start_again()
+        await self._start_again()
         if figures is None:
             raise RuntimeError(f"lab engine bench {'timed out' if code is None else f'exited with {code}'}; "
                                f"its output is in {self.proc.log_path}")
         return figures
 
-    def _start_again(self) -> None:
+    async def _start_again(self) -> None:
+        # Started from the event loop's thread, the main one: no worker thread that ends takes the
+        # engine's parent-death signal with it, and a stop signal never waits on one.
         with open(self.proc.log_path, "ab") as engine_log:
             engine_log.write(b"\n== the lab restarts the engine\n")
         self.proc.start()
         self.restarts += 1
         writer.update_boot(self.store, self.boot_id, pid=self.proc.pid, pid_started=self.proc.create_time())
-        ready = self.proc.wait_ready(self.spec.api_base, self.spec.model, self.spec.api_key, self.ready_timeout_s)
+        ready = await self.proc.await_ready(self.spec.api_base, self.spec.model, self.spec.api_key,
+                                            self.ready_timeout_s)
         if not ready.ok:
             raise EngineGone(f"the engine did not come back after a restart: {ready.reason}")
         if self.spec.expected_config_hash is not None:
-            status, stats = self.proc.get_json(f"{self.spec.base_url}/v1/stats")
+            status, stats = await asyncio.to_thread(self.proc.get_json, f"{self.spec.base_url}/v1/stats")
             booted = stats.get("config_hash") if status == 200 and isinstance(stats, dict) else None
             if booted != self.spec.expected_config_hash:
-                self.proc.stop(self.stop_grace_s)
+                await asyncio.to_thread(self.proc.stop, self.stop_grace_s)
                 raise EngineGone(f"the restarted engine booted config {booted}, not {self.spec.expected_config_hash}")
+
+
+async def _exit_status(proc: subprocess.Popen[bytes]) -> int:
+    """`proc`'s exit status once it has exited, waiting without holding a thread."""
+    while proc.poll() is None:
+        await asyncio.sleep(0.2)
+    return proc.returncode

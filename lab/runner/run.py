@@ -10,14 +10,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 from rich.console import Console
@@ -32,7 +28,7 @@ from lab.ladder.ladder import Ladder
 from lab.ladder.validate import load_ladder, parse_ladder
 from lab.runner import boot as engine_boot
 from lab.runner import fingerprint
-from lab.runner.errors import Interrupted, RunError
+from lab.runner.errors import Interrupted, RunError, stop_on_sigterm
 from lab.runner.slot import RunContext, run_slot
 from lab.store import reader, writer
 from lab.store.db import Store, StoreError, shown
@@ -65,17 +61,26 @@ def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str |
     taken = {r.name for r in reader.list_runs(store)}
     if name is not None and name in taken:
         raise RunError(f"a run named {name!r} exists; resume it with `lab run --resume {name}` or pick another --name")
+    chosen = name is not None
     if name is None:
         stem = name = f"{stem or ladder.name}-{datetime.now():%Y%m%d-%H%M%S}"
         n = 1
         while name in taken:  # two runs of one ladder within a second
             n += 1
             name = f"{stem}-{n}"
-    logs_dir = (Path(runs_dir) / name).resolve()
-    run_id = writer.create_run(store, name=name, ladder_name=ladder.name, ladder_path=str(Path(ladder_path).resolve()),
-                               ladder_text=text, sha256=hashlib.sha256(text.encode()).hexdigest(),
-                               engine_kind=ladder.engine.kind, logs_dir=str(logs_dir), plan=plan)
-    return reader.find_run(store, str(run_id))
+    while True:
+        try:
+            run_id = writer.create_run(store, name=name, ladder_name=ladder.name,
+                                       ladder_path=str(Path(ladder_path).resolve()), ladder_text=text,
+                                       sha256=hashlib.sha256(text.encode()).hexdigest(), engine_kind=ladder.engine.kind,
+                                       logs_dir=str((Path(runs_dir) / name).resolve()), plan=plan)
+            return reader.find_run(store, str(run_id))
+        except writer.NameTaken:  # another `lab run` stored a run of this name since it was looked up
+            if chosen:
+                raise RunError(f"a run named {name!r} exists; resume it with `lab run --resume {name}` or pick "
+                               "another --name") from None
+            n += 1
+            name = f"{stem}-{n}"
 
 
 # A boot may run this much longer than the longest of its kind so far (an arm can be the slow one).
@@ -97,7 +102,10 @@ def execute(store: Store, run: RunRecord, console: Console, time_budget_s: float
         return _execute(store, run, console, time_budget_s, db, ladder_text or run.ladder_text)
     except RunError:
         raise  # refused before it started (another process owns it, another plan): nothing to mark
-    except StoreError as exc:  # the store itself stopped answering: nothing can be marked in it
+    except StoreError as exc:
+        # The store refuses writes or stopped answering (a full disk, a read-only file, a server gone):
+        # the run cannot even be marked. It stays as the store last had it, which `lab run --resume`
+        # reads as a run whose process is gone.
         raise StoreError(f"{exc}; run {run.name} stays as it was, `lab run --resume {run.name}` continues it "
                          "once the store answers again") from None
     except Exception as exc:
@@ -127,7 +135,7 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
     writer.set_run_status(store, run.id, "running")
     columns = (SpinnerColumn(), TextColumn("[bold]{task.fields[boot]}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.description}"))
-    with _stop_on_sigterm(), Progress(*columns, console=console, transient=False) as progress:
+    with stop_on_sigterm(), Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("", total=len(pending), boot="boots")
         rc.status = lambda text: progress.update(task, description=text)
         try:
@@ -290,21 +298,3 @@ def _stop_left_behind(store: Store, run: RunRecord, grace_s: float) -> None:
         tail = engine_boot.log_tail(Path(boot.log_path)) if boot.log_path else None
         writer.update_boot(store, boot.id, status="interrupted", reason="lab run was killed during this boot",
                            log_tail=tail)
-
-
-@contextmanager
-def _stop_on_sigterm() -> Iterator[None]:
-    """SIGTERM to `lab run` stops the engine it owns and leaves the run resumable, like Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the engine's stop short
-        raise Interrupted()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -1,8 +1,11 @@
 """One planned boot of a run, start to finish: hygiene gate, boot, check, measure, stop, record.
 
 Every way a boot can end is stored as an outcome: `done`; `failed` (memory gate not met, engine
-exited or never answered before the ready timeout); `refused` (it booted a config other than the
-arm's); `died` (the engine exited while instruments ran). Only an interrupted `lab run` leaves a
+exited or never answered before the ready timeout, its port taken by another process); `refused`
+(it booted a config other than the arm's); `died` (the engine exited while instruments ran);
+`hung` (a step's requests went unanswered for the ladder's `request_timeout_s`, and so did a
+1-token completion after it: the engine is stopped). A boot whose port another process took is
+booted again on another port, as the slot's next attempt. Only an interrupted `lab run` leaves a
 slot pending, for `lab run --resume` to boot again.
 """
 
@@ -25,7 +28,7 @@ from lab.ladder.render import Plan
 from lab.runner import boot as engine_boot
 from lab.runner.engine_control import ProcessControl
 from lab.runner.fingerprint import engine_version
-from lab.runner.hygiene import wait_for_memory
+from lab.runner.hygiene import MemoryGate, wait_for_memory
 from lab.runner.mem_sampler import MemSampler
 from lab.runner.neighbour import beside
 from lab.store import reader, writer
@@ -39,6 +42,8 @@ log = logging.getLogger("lab.run")
 DEATH_GRACE_S = 2.0
 # The capability probe's large request when no instrument declares a longer one.
 MIN_PROBE_PROMPT = 64
+# Boots of one slot whose port another process took before the engine listened on it.
+PORT_ATTEMPTS = 3
 
 
 @dataclass
@@ -77,16 +82,27 @@ def run_slot(rc: RunContext, slot: SlotRecord) -> str:
 
 def _boot_slot(rc: RunContext, slot: SlotRecord) -> str:
     label = f"{slot.window or 'warm-up'} {slot.arm}" + (f" ({slot.position})" if slot.role == "control" else "")
-    engine = rc.ladder.engine
     hygiene = rc.ladder.hygiene
     rc.status(f"{label}: checking host memory")
     gate = wait_for_memory(hygiene.min_mem_available_gib, hygiene.mem_wait_s,
                            on_wait=lambda avail, waited: rc.status(
                                f"{label}: waiting for MemAvailable ≥ {hygiene.min_mem_available_gib:g} GiB "
                                f"({avail / 2**30:.1f} GiB, {waited:.0f} s)"))
+    attempts = 1
+    status, port_taken = _boot(rc, slot, label, gate)
+    while port_taken is not None and attempts < PORT_ATTEMPTS:
+        log.warning("%s: %s; booting it again on another port", label, port_taken)
+        attempts += 1
+        status, port_taken = _boot(rc, slot, label, gate)
+    return status
+
+
+def _boot(rc: RunContext, slot: SlotRecord, label: str, gate: MemoryGate) -> tuple[str, str | None]:
+    """One boot of the slot: its final status, and why its port was not its own when it failed so."""
+    engine = rc.ladder.engine
     arm = rc.plan.arm(slot.arm)
     try:
-        port: int | None = engine_boot.free_port(hygiene.ports)
+        port: int | None = engine_boot.free_port(rc.ladder.hygiene.ports)
     except engine_boot.PortsBusy as exc:  # the boot is stored failed, its argv with the port unfilled
         port, gate = None, dataclasses.replace(gate, ok=False, reason=str(exc))
     spec = kind_of(rc.ladder.engine).launch(arm, "{port}" if port is None else port)
@@ -96,7 +112,7 @@ def _boot_slot(rc: RunContext, slot: SlotRecord) -> str:
         api_base=spec.api_base, expected_config_hash=spec.expected_config_hash, mem_available_start=gate.mem_available,
         fingerprint=rc.fingerprint)
     if not gate.ok:
-        return _fail(rc, slot, boot_id, "failed", gate.reason, None)
+        return _fail(rc, slot, boot_id, "failed", gate.reason, None), None
 
     path = log_path(rc, slot, attempt)
     proc = engine_boot.EngineProcess(spec.argv, env, path)
@@ -108,19 +124,23 @@ def _boot_slot(rc: RunContext, slot: SlotRecord) -> str:
             proc.start()
         except OSError as exc:  # the engine's executable is missing or not runnable
             return _fail(rc, slot, boot_id, "failed", f"cannot start {spec.argv[0]}: {exc.strerror or exc}", None,
-                         sampler)
+                         sampler), None
         writer.update_boot(rc.store, boot_id, pid=proc.pid, pid_started=proc.create_time(), log_path=str(path))
         ready = proc.wait_ready(spec.api_base, spec.model, spec.api_key, engine.ready_timeout_s,
                                 on_poll=lambda t, last: rc.status(f"{label}: waiting for a completion ({t:.0f} s)"))
+        # Whatever answered, or made the engine exit, may be another process on the engine's port.
+        taken = engine_boot.port_taken(port, proc)
+        if taken:
+            return _fail(rc, slot, boot_id, "failed", taken, proc, sampler), taken
         if not ready.ok:
-            return _fail(rc, slot, boot_id, "failed", ready.reason, proc, sampler)
+            return _fail(rc, slot, boot_id, "failed", ready.reason, proc, sampler), None
         refusal, stats, cold = _check(rc, proc, spec)
         writer.update_boot(rc.store, boot_id, ready_at=writer.now(), ready_s=ready.seconds, cold=cold,
                            reason=_cold_reason((stats or {}).get("caches_built")) if cold else None,
                            booted_config_hash=stats.get("config_hash") if stats else None, engine_stats=stats,
                            status="ready")
         if refusal:
-            return _fail(rc, slot, boot_id, "refused", refusal, proc, sampler)
+            return _fail(rc, slot, boot_id, "refused", refusal, proc, sampler), None
         rc.status(f"{label}: probing what the engine can do")
         caps = _probe(rc, spec, boot_id, slot)
         fields: dict[str, Any] = {"capabilities": caps}
@@ -132,13 +152,13 @@ def _boot_slot(rc: RunContext, slot: SlotRecord) -> str:
             which = ("hygiene.probe_prompt_tokens" if caps.get("largest_prompt", {}).get("capped_from")
                      else "the ladder's largest")
             return _fail(rc, slot, boot_id, "failed", f"not ready: a {large}-token prompt ({which}) "
-                         f"was not answered: {caps.get('error')}", proc, sampler)
+                         f"was not answered: {caps.get('error')}", proc, sampler), None
         at_ready = stats
         log.info("%s ready in %.1f s%s", label, ready.seconds, " (cold)" if cold else "")
         if slot.role != "warmup":
-            died = _measure(rc, slot, boot_id, attempt, spec, proc, sampler, label, caps)
-            if died:
-                return _fail(rc, slot, boot_id, "died", died, proc, sampler)
+            ended = _measure(rc, slot, boot_id, attempt, spec, proc, sampler, label, caps)
+            if ended:
+                return _fail(rc, slot, boot_id, *ended, proc, sampler), None
         rc.status(f"{label}: stopping")
         _recheck_cold(rc, proc, spec, boot_id, at_ready, label)
         stopped = proc.stop(engine.stop_grace_s)
@@ -146,7 +166,7 @@ def _boot_slot(rc: RunContext, slot: SlotRecord) -> str:
         writer.update_boot(rc.store, boot_id, status="done", stopped_at=writer.now(), exit_status=stopped.exit_status,
                            stopped_by=stopped.stopped_by, mem_available_floor=sampler.floor_bytes())
         writer.set_slot_status(rc.store, slot.id, "done")
-        return "done"
+        return "done", None
     except BaseException as exc:
         if at_ready is not None:
             # The cells this boot stored count after `lab run --resume`, so record whether they are cold.
@@ -182,7 +202,8 @@ def _probe(rc: RunContext, spec: Launch, boot_id: int, slot: SlotRecord) -> dict
     capped_from = largest if cap is not None and largest > cap else None
     if capped_from is not None:
         largest = cap
-    endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key)
+    endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key,
+                                     request_timeout_s=rc.ladder.engine.request_timeout_s)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
     try:
         def asks(what: str) -> bool:
@@ -259,10 +280,11 @@ def _describe(built: list[dict[str, Any]]) -> str:
 
 def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec: Launch,
              proc: engine_boot.EngineProcess, sampler: MemSampler, label: str,
-             caps: dict[str, Any]) -> str | None:
-    """Run every instrument step not yet stored for this slot; the reason if the engine died. An
-    instrument that cannot measure this engine (capabilities.refusal) sends nothing: its steps are
-    stored with the reason, and every cell it would have written is stored invalid with it."""
+             caps: dict[str, Any]) -> tuple[str, str] | None:
+    """Run every instrument step not yet stored for this slot; (`died` or `hung`, why) if the engine
+    died or stopped answering. An instrument that cannot measure this engine (capabilities.refusal)
+    sends nothing: its steps are stored with the reason, and every cell it would have written is
+    stored invalid with it."""
     done = reader.stored_steps(rc.store, slot.id)
     controls = reader.warm_control_boots(rc.store, rc.run_id, slot.window or "", slot.idx)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/{attempt}/{boot_id}".encode()).hexdigest()[:12]
@@ -278,7 +300,8 @@ def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec:
                           position=slot.position, salt=salt,  # type: ignore[arg-type]
                           engine_kind=rc.ladder.engine.kind, params=params, stored=StoredRows(rc.store),
                           control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
-                          log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps, engine=control)
+                          log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps, engine=control,
+                          request_timeout_s=engine.request_timeout_s)
         refused = capabilities.refusal(name, caps)
         for n, step in enumerate(instrument.plan(params)):
             if (name, step.key) in done:
@@ -298,15 +321,22 @@ def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec:
             # A failed request may be the engine going away: then give its exit a moment to show.
             failed = error is not None or (result is not None and any(_may_be_gone(r) for r in result.receipts))
             alive = proc.alive_after(DEATH_GRACE_S) if failed else proc.alive()
-            died = None if alive else f"engine exited with status {proc.exit_status()} during {name} {step.key}"
-            if error and died:
-                return died  # the step failed because the engine went away: not the instrument's result
+            ended = None if alive else ("died", f"engine {engine_boot.describe_exit(proc.exit_status())} during "
+                                                f"{name} {step.key}")
+            if failed and alive:
+                # Requests that got no answer may be an engine that hangs: one that cannot answer a
+                # 1-token completion either would make every later step wait out its timeouts too.
+                silent = proc.silent(spec.api_base, spec.model, spec.api_key, engine.request_timeout_s)
+                if silent:
+                    ended = ("hung", f"engine stopped answering during {name} {step.key}: {silent}")
+            if error and ended:
+                return ended  # the step failed because the engine went away: not the instrument's result
             if error:
                 log.warning("%s: %s %s failed: %s", label, name, step.key, error)
             writer.write_step(rc.store, slot_id=slot.id, boot_id=boot_id, instrument=name, step=step, result=result,
                               error=error, started_at=started)
-            if died:
-                return died
+            if ended:
+                return ended
     return None
 
 

@@ -47,6 +47,11 @@ class StoreError(RuntimeError):
     """The store cannot be used; the message says why in one line."""
 
 
+class StoreDropped(StoreError):
+    """The database server dropped a connection in use (restarted, unplugged): a write it cut is
+    written again once the server answers (lab/store/reconnect.py), within its patience."""
+
+
 SCHEMES = ("sqlite", "postgresql")  # the backends the lab's tables and locks are written for
 
 
@@ -87,7 +92,13 @@ class Store:
         # A read-only PostgreSQL session: the server refuses any write, whatever the user may do.
         self.connect_args: dict[str, Any] = ({"options": "-c default_transaction_read_only=on"}
                                              if read_only and backend == "postgresql" else {})
-        self.engine: Engine = create_engine(url, connect_args=self.connect_args)
+        # pool_pre_ping: a connection a restarted PostgreSQL server dropped is replaced, not used.
+        self.engine: Engine = create_engine(url, connect_args=self.connect_args,
+                                            pool_pre_ping=backend == "postgresql")
+        if backend == "postgresql":
+            from lab.store.reconnect import retry_connects  # it imports this module
+
+            retry_connects(self.engine)
         if backend == "sqlite":
             event.listen(self.engine, "connect", functools.partial(_sqlite_pragmas, wal=not read_only))
         else:
@@ -101,12 +112,14 @@ class Store:
         """A database server that refuses the connection or drops it (stopped, unplugged, a wrong
         password) ends the command with one line naming the store without its password, not with a
         driver's traceback."""
+        if context.is_pre_ping:
+            return  # a pooled connection found dead before use: the pool replaces it
         reason = scrubbed(f"{context.original_exception.__class__.__name__}: {context.original_exception}",
                           self.url).splitlines()[0]
         if context.connection is None:  # no connection could be made
             raise StoreError(f"cannot open store {self.shown}: {reason}")
         if context.is_disconnect:
-            raise StoreError(f"the store {self.shown} dropped the connection: {reason}")
+            raise StoreDropped(f"the store {self.shown} dropped the connection: {reason}")
 
     def close(self) -> None:
         self.engine.dispose()

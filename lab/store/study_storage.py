@@ -9,6 +9,7 @@ import optuna
 from sqlalchemy import event, inspect
 
 from lab.store.db import Store, StoreError, scrubbed
+from lab.store.reconnect import retry_connects
 
 
 def study_storage(store: Store) -> optuna.storages.RDBStorage:
@@ -35,6 +36,7 @@ def _storage(store: Store, **kwargs: Any) -> optuna.storages.RDBStorage:
         raise StoreError(f"cannot open the Optuna study storage in {store.shown}: {reason}") from None
     if store.postgresql:
         event.listen(storage.engine, "handle_error", store.unreachable)
+        retry_connects(storage.engine)  # a server restarted between trials is waited for
     return storage
 
 

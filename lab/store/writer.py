@@ -2,6 +2,8 @@
 
 A step's cells, receipts and qeval items are written together or not at all, so a run killed at
 any moment leaves whole steps only, and the unique keys make a second copy of a step impossible.
+A write a PostgreSQL restart cut is run again whole; any other failure to write (a full disk, a
+read-only store) is a one-line StoreError (lab/store/reconnect.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
 
 from lab.store import models as m
 from lab.store.db import Store
+from lab.store.reconnect import writes
 from lab.store.records import Step as PlannedStep
 from lab.store.records import RECEIPT_FIELDS, PlannedSlot, RunPlan, StepResult
 
@@ -28,29 +32,38 @@ def params_key(params: dict[str, Any]) -> str:
     return json.dumps(params, sort_keys=True, separators=(",", ":"), default=str)
 
 
+class NameTaken(ValueError):
+    """Another run already has this name (another `lab run` may have stored it a moment ago)."""
+
+
+@writes
 def create_run(store: Store, *, name: str, ladder_name: str, ladder_path: str, ladder_text: str, sha256: str,
                engine_kind: str, logs_dir: str, plan: RunPlan) -> int:
-    """The run with its arms and planned slots, in one transaction."""
-    with store.session() as s, s.begin():
-        run = m.Run(name=name, ladder_name=ladder_name, ladder_path=ladder_path, ladder_text=ladder_text,
-                    ladder_sha256=sha256, engine_kind=engine_kind, logs_dir=logs_dir, status="running",
-                    created_at=now())
-        s.add(run)
-        s.flush()
-        arm_ids = {}
-        for spec in plan.arms:
-            arm = m.Arm(run_id=run.id, name=spec.name, role=spec.role, window=spec.window, change=spec.change,
-                        multi=spec.multi, flags=spec.flags, env=spec.env, config=spec.config,
-                        config_hash=spec.config_hash)
-            s.add(arm)
+    """The run with its arms and planned slots, in one transaction; NameTaken if the name is."""
+    try:
+        with store.session() as s, s.begin():
+            run = m.Run(name=name, ladder_name=ladder_name, ladder_path=ladder_path, ladder_text=ladder_text,
+                        ladder_sha256=sha256, engine_kind=engine_kind, logs_dir=logs_dir, status="running",
+                        created_at=now())
+            s.add(run)
             s.flush()
-            arm_ids[spec.name] = arm.id
-        for slot in plan.slots:
-            s.add(m.Slot(run_id=run.id, idx=slot.idx, arm_id=arm_ids[slot.arm], role=slot.role,
-                         position=slot.position, window=slot.window, status="pending"))
-        return run.id
+            arm_ids = {}
+            for spec in plan.arms:
+                arm = m.Arm(run_id=run.id, name=spec.name, role=spec.role, window=spec.window, change=spec.change,
+                            multi=spec.multi, flags=spec.flags, env=spec.env, config=spec.config,
+                            config_hash=spec.config_hash)
+                s.add(arm)
+                s.flush()
+                arm_ids[spec.name] = arm.id
+            for slot in plan.slots:
+                s.add(m.Slot(run_id=run.id, idx=slot.idx, arm_id=arm_ids[slot.arm], role=slot.role,
+                             position=slot.position, window=slot.window, status="pending"))
+            return run.id
+    except IntegrityError as exc:  # the run's name is its one unique key that another process can take
+        raise NameTaken(name) from exc
 
 
+@writes
 def add_slot(store: Store, run_id: int, slot: PlannedSlot) -> None:
     """One more planned slot of a run's arm (a tune trial booted again after a cold boot)."""
     with store.session() as s, s.begin():
@@ -59,12 +72,14 @@ def add_slot(store: Store, run_id: int, slot: PlannedSlot) -> None:
                      window=slot.window, status="pending"))
 
 
+@writes
 def claim_run(store: Store, run_id: int, pid: int, started: float | None) -> None:
     with store.session() as s, s.begin():
         run = s.get_one(m.Run, run_id)
         run.owner_pid, run.owner_started = pid, started
 
 
+@writes
 def set_run_status(store: Store, run_id: int, status: str, reason: str | None = None) -> None:
     with store.session() as s, s.begin():
         run = s.get_one(m.Run, run_id)
@@ -73,6 +88,7 @@ def set_run_status(store: Store, run_id: int, status: str, reason: str | None = 
         run.finished_at = now() if status == "done" else None
 
 
+@writes
 def add_run_warnings(store: Store, run_id: int, texts: list[str]) -> None:
     """Add warnings about the run's ladder, each once."""
     with store.session() as s, s.begin():
@@ -80,6 +96,7 @@ def add_run_warnings(store: Store, run_id: int, texts: list[str]) -> None:
         run.warnings = list(dict.fromkeys([*(run.warnings or []), *texts]))
 
 
+@writes
 def start_boot(store: Store, *, run_id: int, slot_id: int, **fields: Any) -> tuple[int, int]:
     """A new boot row for the slot, numbered after any earlier attempt: (boot id, attempt)."""
     with store.session() as s, s.begin():
@@ -91,6 +108,7 @@ def start_boot(store: Store, *, run_id: int, slot_id: int, **fields: Any) -> tup
         return boot.id, boot.attempt
 
 
+@writes
 def update_boot(store: Store, boot_id: int, **fields: Any) -> None:
     with store.session() as s, s.begin():
         boot = s.get_one(m.Boot, boot_id)
@@ -98,11 +116,13 @@ def update_boot(store: Store, boot_id: int, **fields: Any) -> None:
             setattr(boot, key, value)
 
 
+@writes
 def set_slot_status(store: Store, slot_id: int, status: str) -> None:
     with store.session() as s, s.begin():
         s.get_one(m.Slot, slot_id).status = status
 
 
+@writes
 def write_step(store: Store, *, slot_id: int, boot_id: int, instrument: str, step: PlannedStep,
                result: StepResult | None, error: str | None, started_at: datetime) -> int:
     """One step with all its cells, receipts and qeval items, in one transaction."""
@@ -138,6 +158,7 @@ def write_step(store: Store, *, slot_id: int, boot_id: int, instrument: str, ste
         return row.id
 
 
+@writes
 def write_verdict(store: Store, *, run_id: int, arm: str, decision: str, reasons: list[str],
                   detail: dict[str, Any]) -> None:
     """The KEEP decision for an arm; a later decision for the same arm replaces the earlier one."""
@@ -191,6 +212,7 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+@writes
 def write_noise(store: Store, *, run_id: int, ladder_name: str, host: str, rows: list[dict[str, Any]]) -> None:
     """A calibration's noise model, one row per key metric; calibrating the run again replaces them."""
     with store.session() as s, s.begin():
@@ -201,6 +223,7 @@ def write_noise(store: Store, *, run_id: int, ladder_name: str, host: str, rows:
             s.add(m.NoiseModel(run_id=run_id, ladder_name=ladder_name, host=host, created_at=now(), **row))
 
 
+@writes
 def add_series_point(store: Store, *, series: str, label: str, run_id: int, ladder_name: str, host: str,
                      identity: dict[str, Any]) -> None:
     """File a sweep run under its series; a label already in the series is refused (ValueError), also
@@ -214,6 +237,7 @@ def add_series_point(store: Store, *, series: str, label: str, run_id: int, ladd
                             identity=_json(identity), created_at=now()))
 
 
+@writes
 def add_trial(store: Store, *, study: str, number: int, optuna_trial_id: int, run_id: int,
               params: dict[str, Any]) -> None:
     with store.session() as s, s.begin():
@@ -221,6 +245,7 @@ def add_trial(store: Store, *, study: str, number: int, optuna_trial_id: int, ru
                           params=_json(params), state="running", created_at=now()))
 
 
+@writes
 def finish_trial(store: Store, study: str, number: int, **fields: Any) -> None:
     """State, values, constraints, boot and reason of a trial once its boot ended."""
     with store.session() as s, s.begin():

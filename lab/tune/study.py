@@ -42,7 +42,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from lab.ladder.errors import LadderError
 from lab.runner import boot as engine_boot
-from lab.runner.errors import Interrupted, RunError
+from lab.runner.errors import Interrupted, RunError, stop_on_sigterm
 from lab.store import reader, writer
 from lab.store.db import Store
 from lab.store.study_storage import study_storage
@@ -119,7 +119,7 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
     stopped = None
     columns = (SpinnerColumn(), TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.description}"))
-    with Progress(*columns, console=console) as progress:
+    with stop_on_sigterm(), Progress(*columns, console=console) as progress:
         task = progress.add_task("", total=budget, completed=_finished(study))
         while (trial := _next_trial(store, study, tune, budget)) is not None:
             params = trial.params
@@ -147,7 +147,16 @@ def run(store: Store, tune_path: str | Path, name: str | None, runs_dir: str | P
                                       status)
                 measured = trial_run.boot(store, tune, run_row, ladder, plan, warmed, status=status)
             except (Interrupted, KeyboardInterrupt):
-                writer.set_run_status(store, run_row.id, "interrupted")
+                # Failed now, not left running: a plain `lab tune` waiting for the study's trials
+                # would otherwise wait for it until a `lab tune` on this host is started again.
+                reason = "interrupted: lab tune was stopped during this trial"
+                writer.set_run_status(store, run_row.id, "interrupted", reason)
+                booted = [b for s in reader.slots(store, run_row.id) for b in s.boots]
+                writer.finish_trial(store, study_name, trial.number, state="failed",
+                                    boot_id=booted[-1].id if booted else None, reason=reason)
+                trial.set_user_attr("reason", reason)
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                study_budget.exclude(study, trial.number, "interrupted: the lab tune measuring it was stopped")
                 raise Interrupted(study_name) from None
             warmed = warmed or measured.booted
             progress.console.print(_tell(store, study, tune, trial, measured), markup=False, highlight=False)

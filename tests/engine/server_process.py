@@ -14,6 +14,8 @@ from typing import Iterator
 
 import httpx
 
+from lab.runner.parent_death import dies_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -41,8 +43,10 @@ def engine_server(tmp: Path, *flags: str, env: dict[str, str] | None = None,
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("LAB_ENGINE_")}
     child_env.update(env or {})
     with open(log, "w") as out:
+        # SIGTERM from the kernel if the test process dies before its `finally` runs.
         proc = subprocess.Popen([sys.executable, "-m", "lab.engine", "serve", "--port", str(port), *flags],
-                                stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+                                preexec_fn=dies_with_parent(signal.SIGTERM))
     server = ServerProcess(proc, port, log)
     try:
         wait_healthy(proc, server.url, log, timeout, "engine")

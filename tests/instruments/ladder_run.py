@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+from lab.runner.parent_death import dies_with_parent
 from lab.store.db import Store, open_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,8 +22,15 @@ def run_ladder(cwd: Path, ladder: str, name: str, timeout: float, controls_only:
     (cwd / f"{name}.yaml").write_text(textwrap.dedent(ladder))
     command = (["sweep", f"{name}.yaml", "--label", name, "--control-only"] if controls_only
                else ["run", f"{name}.yaml"])
-    done = subprocess.run([sys.executable, "-m", "lab", *command, "--name", name], cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stdout + done.stderr
+    # The kernel sends `lab` SIGTERM if this test process dies, and `lab` stops its engine on it.
+    lab = subprocess.Popen([sys.executable, "-m", "lab", *command, "--name", name], cwd=cwd,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, preexec_fn=dies_with_parent(signal.SIGTERM))
+    try:
+        out, _ = lab.communicate(timeout=timeout)
+    finally:
+        if lab.poll() is None:  # timed out, or the test was interrupted: `lab` stops its engine on SIGTERM
+            lab.terminate()
+            lab.wait()
+    assert lab.returncode == 0, out
     return open_store(str(cwd / "lab.db"))

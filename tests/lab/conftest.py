@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lab.cli import main as lab_main
+from lab.runner.parent_death import dies_with_parent
 from lab.store.db import open_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,8 +89,9 @@ def kv_series(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def lab_process(args: list[str], cwd: Path, with_ping: bool = False) -> subprocess.Popen[bytes]:
-    """`lab` as its own process (for kill -9); `with_ping` adds the test-only multi-step instrument."""
+    """`lab` as its own process (for kill -9); `with_ping` adds the test-only multi-step instrument.
+    It gets SIGTERM from the kernel if the test process dies first (lab/runner/parent_death.py)."""
     entry = ["-m", "tests.lab.lab_with_ping"] if with_ping else ["-m", "lab"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, *entry, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, preexec_fn=dies_with_parent(signal.SIGTERM))

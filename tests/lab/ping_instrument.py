@@ -39,7 +39,7 @@ class PingInstrument:
         body = {"model": ctx.model, "prompt": f"{ctx.salt} hello", "max_tokens": 1}
         receipt = Receipt(request_id=f"{ctx.salt}-{step.key}", endpoint="/v1/completions", payload=body,
                           t_queued_ns=time.perf_counter_ns())
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=ctx.request_timeout_s) as client:
             receipt.t_sent_ns = time.perf_counter_ns()
             response = await client.post(f"{ctx.api_base}/completions", json=body)
             receipt.t_done_ns = time.perf_counter_ns()

@@ -1,7 +1,8 @@
 """A small OpenAI-compatible server for boot-lifecycle tests, started as a `command` engine.
 
-It misbehaves on request: exit at once, never become ready, ignore SIGTERM, die while measured.
-Standard library only, so it starts in a fraction of a second.
+It misbehaves on request: exit at once, never become ready, ignore SIGTERM, die while measured,
+exit in the middle of the readiness probe, wait before it listens, hang (accept connections and
+send nothing) once a file exists. Standard library only, so it starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def main() -> None:
     parser.add_argument("--die-on-stats", action="store_true",
                         help="exit when /v1/stats is asked for after the capability probe's look at it")
     parser.add_argument("--child-pid-file", help="start a sleeping child in the same group; write its pid here")
+    parser.add_argument("--exit-on-completion", type=int, default=None,
+                        help="exit with this status when the first completion request arrives, answering nothing")
+    parser.add_argument("--listen-after", help="wait while this file exists before listening")
+    parser.add_argument("--hang-file", help="once this file exists, take every request and answer nothing")
     parser.add_argument("--seqs", default="")  # a flag arms can change; echoed in /v1/models
     args = parser.parse_args()
     print(f"stub engine: argv={sys.argv[1:]} STUB_ENV={os.environ.get('STUB_ENV', '')}", flush=True)
@@ -42,6 +47,11 @@ def main() -> None:
 
     stats_asked: list[int] = []
 
+    def hang_if_asked() -> None:
+        if args.hang_file and os.path.exists(args.hang_file):
+            print("stub engine: hanging as asked", flush=True)
+            time.sleep(3600)
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a: object) -> None:
             pass
@@ -55,6 +65,7 @@ def main() -> None:
             self.wfile.write(data)
 
         def do_GET(self) -> None:
+            hang_if_asked()
             if self.path == "/v1/stats":
                 stats_asked.append(1)
             if self.path == "/v1/models":
@@ -70,8 +81,13 @@ def main() -> None:
                 self._send(404, {"error": {"message": "not found"}})
 
         def do_POST(self) -> None:
+            hang_if_asked()
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
+            if args.exit_on_completion is not None and self.path == "/v1/completions":
+                print(f"stub engine: exiting with {args.exit_on_completion} in the middle of a completion",
+                      flush=True)
+                os._exit(args.exit_on_completion)
             if args.never_ready:
                 self._send(503, {"error": {"message": "still loading"}})
             elif self.path == "/v1/completions":
@@ -81,6 +97,8 @@ def main() -> None:
             else:
                 self._send(404, {"error": {"message": "not found"}})
 
+    while args.listen_after and os.path.exists(args.listen_after):
+        time.sleep(0.05)
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
 
 

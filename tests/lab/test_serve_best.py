@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from lab.cli import main as lab_main
+from lab.runner.parent_death import dies_with_parent
 from lab.runner.boot import free_port
 from tests.lab.conftest import REPO, stub_ladder
 
@@ -24,10 +25,12 @@ def lab_out(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_best_serves_the_kept_arm_and_answers_a_completion(kv_series: Path) -> None:
     port = free_port()
+    # dies_with_parent: the served engine goes with this test process, however it ends.
     proc = subprocess.Popen([sys.executable, "-m", "lab", "serve", "--best", "kv", "--port", str(port)], cwd=kv_series,
                             env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250",
                                  "LAB_ENGINE_MAX_NUM_SEQS": "3"},  # a stray export must not change the arm
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=dies_with_parent(signal.SIGTERM))
     try:
         answer = None
         deadline = time.monotonic() + 120

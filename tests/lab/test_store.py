@@ -8,7 +8,7 @@ from contextlib import closing
 
 import pytest
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError
 
 from lab.instruments.receipt import Receipt, TokenLogprob
 from lab.ladder.render import plan
@@ -175,7 +175,8 @@ def test_a_store_opened_read_only_reads_and_refuses_every_write(store, tmp_path)
     reading = open_store(str(tmp_path / "lab.db"), read_only=True)
     try:
         assert [r.name for r in reader.list_runs(reading)] == ["r"]
-        with pytest.raises(OperationalError, match="readonly database"):
+        with pytest.raises(StoreError, match=r"^cannot write the store \S*lab\.db: OperationalError: attempt to "
+                                             r"write a readonly database$"):
             writer.set_run_status(reading, run_id, "done")
     finally:
         reading.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import pytest
 from sqlalchemy import func, select, text
 
 from lab.cli import main as lab_main
+from lab.runner.parent_death import dies_with_parent
 from lab.runner.boot import free_port
 from lab.store import models as m
 from lab.store.db import open_store
@@ -71,7 +73,7 @@ def postgres(tmp_path_factory: pytest.TempPathFactory):
 
 def lab(cwd: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "lab", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=dies_with_parent(signal.SIGTERM),
                             env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250"})
 
 

@@ -39,6 +39,7 @@ class Counters:
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_refused: int = 0  # not queued: the waiting queue was full
     steps: int = 0
     overlapped_steps: int = 0  # decode steps queued before the previous step's tokens were read
 
@@ -118,11 +119,15 @@ class LLMEngine:
         if bad is not None:
             raise BadRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    admitted: bool = False) -> Sequence:
+        """Queue a request; EngineBusyError when `max_waiting` requests already wait, unless it is
+        `admitted` (a further choice of a request already queued, which must not fail half-way)."""
         self.check_request(prompt_token_ids, params)
         if request_id in self.requests:
             raise BadRequestError(f"request id {request_id!r} is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if not admitted and len(self.scheduler.waiting) >= self.config.max_waiting:
+            self.counters.requests_refused += 1
             raise EngineBusyError(f"{len(self.scheduler.waiting)} requests are already waiting "
                                   f"(--max-waiting {self.config.max_waiting}); retry later")
         seq = Sequence(next(self._ids), request_id, list(prompt_token_ids), params)

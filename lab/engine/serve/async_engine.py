@@ -37,6 +37,7 @@ class _Add:
     params: SamplingParams
     sink: asyncio.Queue
     accepted: asyncio.Future
+    admitted: bool  # part of a request already admitted: never refused for a full queue
 
 
 @dataclass
@@ -117,23 +118,30 @@ class AsyncEngine:
 
     # -- API for the server ------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as steps produce them; aborts it if the consumer stops
-        early (a client that disconnects frees its KV blocks)."""
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     admitted: bool = False) -> asyncio.Queue:
+        """Hand the request to the engine and wait until it is queued there; the queue its outputs
+        will arrive on (read them with `outputs`). Raises what the engine refuses it with
+        (BadRequestError, EngineBusyError when the waiting queue is full unless `admitted`), so a
+        server can answer a refusal with an error status before it starts a response."""
         if not self.alive:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         assert self.loop is not None
         sink: asyncio.Queue = asyncio.Queue()
         accepted = self.loop.create_future()
-        self._send(_Add(request_id, prompt_token_ids, params, sink, accepted))
+        self._send(_Add(request_id, prompt_token_ids, params, sink, accepted, admitted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self._send(_Abort(request_id))  # it may be in the engine by now: take it out
+            raise
+        return sink
+
+    async def outputs(self, request_id: str, sink: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """A submitted request's outputs as steps produce them; aborts it if the consumer stops
+        early (a client that disconnects frees its KV blocks)."""
         finished = False
         try:
-            try:
-                await accepted  # raises BadRequestError / EngineBusyError from the engine thread
-            except (ValueError, EngineBusyError):
-                finished = True  # never admitted: nothing to abort
-                raise
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
@@ -144,7 +152,18 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._send(_Abort(request_id))
+                self.abort(request_id)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       admitted: bool = False) -> AsyncIterator[RequestOutput]:
+        """`submit`, then its `outputs`."""
+        sink = await self.submit(request_id, prompt_token_ids, params, admitted)
+        async for out in self.outputs(request_id, sink):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Take a submitted request out of the engine at its next step, wherever it is."""
+        self._send(_Abort(request_id))
 
     async def call(self, fn):
         """Run `fn(engine)` on the engine thread between steps (stats, cache reset)."""
@@ -179,7 +198,8 @@ class AsyncEngine:
                 return
             if isinstance(item, _Add):
                 try:
-                    self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
+                    self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
+                                            admitted=item.admitted)
                 except (ValueError, EngineBusyError) as exc:
                     self._resolve(item.accepted, error=exc)
                     self._ended(item.request_id, None)

@@ -56,6 +56,20 @@ def spec_report(engine: LLMEngine) -> dict[str, Any] | None:
             "sync_steps": c.sync_steps, "costs": engine.drafter.costs.to_dict()}
 
 
+def queue_report(engine: LLMEngine) -> dict[str, Any]:
+    """The waiting queue: its length and bound, how long its head has waited, how many requests
+    were refused because it was full, and how many times running work was preempted (its blocks
+    freed, to be recomputed) for want of KV blocks. Read off the engine thread: a snapshot."""
+    waiting = engine.scheduler.waiting
+    try:
+        head = waiting[0]
+    except IndexError:
+        head = None
+    return {"waiting": len(waiting), "max_waiting": engine.config.max_waiting,
+            "oldest_wait_s": time.monotonic() - head.arrival_time if head is not None else 0.0,
+            "refused": engine.counters.requests_refused, "preemptions": engine.scheduler.num_preemptions}
+
+
 def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -> dict[str, Any]:
     runner = engine.runner
     blocks = engine.blocks
@@ -94,6 +108,7 @@ def engine_stats(engine: LLMEngine, served_model_name: str, started_at: float) -
         "preemptions": engine.scheduler.num_preemptions,
         "running": engine.num_running,
         "waiting": engine.num_waiting,
+        "queue": queue_report(engine),
         "prompt_tokens": c.prompt_tokens,
         "generation_tokens": c.generation_tokens,
         "requests_finished": c.requests_finished,

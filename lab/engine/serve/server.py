@@ -8,6 +8,7 @@ import gc
 import importlib.metadata
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -50,8 +51,8 @@ def one_line(message: str) -> str:
 
 
 def error_response(status: int, message: str, kind: str, code: str | None = None,
-                   param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={
+                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={
         "error": {"message": one_line(message), "type": kind, "param": param, "code": code}})
 
 
@@ -224,7 +225,8 @@ class Server:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.metrics = EngineMetrics(engine, served_model_name)
-        self.async_engine = AsyncEngine(engine, on_end=self.metrics.ended, on_step=self.metrics.step)
+        self.async_engine = AsyncEngine(engine, on_end=self.ended, on_step=self.metrics.step)
+        self.queue_wait_s: float | None = None  # moving average of the time requests waited for a step
         self.structured = StructuredOutput(engine.tokenizer, engine.model_config.vocab_size)
         self.gc = GcPauses()
         self.started_at = time.time()
@@ -238,17 +240,53 @@ class Server:
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, self.engine.max_model_len - prompt_len)
 
+    def ended(self, request_id: str, out: RequestOutput | None) -> None:
+        """A request's end (on the event loop): its metrics, and the queue wait that `Retry-After` tells."""
+        self.metrics.ended(request_id, out)
+        if out is not None and out.phases is not None and out.phases.scheduled is not None:
+            wait = out.phases.scheduled - out.phases.arrival
+            self.queue_wait_s = wait if self.queue_wait_s is None else 0.8 * self.queue_wait_s + 0.2 * wait
+
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait before it asks again: about as long as requests
+        have lately waited in the queue for a step (1 to 60)."""
+        return min(60, max(1, math.ceil(self.queue_wait_s or 0)))
+
     def model_card(self) -> dict[str, Any]:
         return {"id": self.served_model_name, "object": "model", "created": int(self.started_at),
                 "owned_by": "lab", "root": self.engine.config.model, "parent": None,
                 "max_model_len": self.engine.max_model_len}
 
-    async def stream_outputs(self, request_id: str, choice: Choice, arrival: float) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one sequence, observing its token latencies on the way; the
-        metrics of how it ended are observed when the engine reports its end (EngineMetrics)."""
+    async def admit(self, rid: str, choices: list[Choice], arrival: float) -> dict[int, asyncio.Queue]:
+        """Queue each prompt's first choice in the engine before any response starts, so a full
+        queue is answered with a 503 and Retry-After, a stream's included; the queues their outputs
+        arrive on, by choice index. Further choices follow their first one's prefill, admitted with
+        it. A client gone between this and the start of its response leaves its request to run
+        to max_tokens, as nothing reads it to notice."""
+        sinks: dict[int, asyncio.Queue] = {}
+        try:
+            for c in choices:
+                if c.leader is None:
+                    request_id = f"{rid}-{c.index}"
+                    self.metrics.submitted(request_id, arrival, c.params.max_tokens, c.parent)
+                    sinks[c.index] = await self.async_engine.submit(request_id, c.ids, c.params)
+        except BaseException:
+            for index in sinks:  # all of a request or none of it
+                self.async_engine.abort(f"{rid}-{index}")
+            raise
+        return sinks
+
+    async def stream_outputs(self, request_id: str, choice: Choice, arrival: float,
+                             sink: asyncio.Queue | None = None) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one sequence (already queued on `sink` by `admit`, or submitted
+        now), observing its token latencies on the way; the metrics of how it ended are observed
+        when the engine reports its end (EngineMetrics)."""
         last: float | None = None
-        self.metrics.submitted(request_id, arrival, choice.params.max_tokens, choice.parent)
-        async for out in self.async_engine.generate(request_id, choice.ids, choice.params):
+        if sink is None:
+            self.metrics.submitted(request_id, arrival, choice.params.max_tokens, choice.parent)
+            sink = await self.async_engine.submit(request_id, choice.ids, choice.params,
+                                                  admitted=choice.leader is not None)
+        async for out in self.async_engine.outputs(request_id, sink):
             if out.new_token_ids:
                 now = time.monotonic()
                 if last is None:
@@ -258,25 +296,29 @@ class Server:
                 last = now
             yield out
 
-    async def merged(self, rid: str, choices: list[Choice], arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several sequences interleaved as they arrive; cancelling aborts them all."""
+    async def merged(self, rid: str, choices: list[Choice], arrival: float,
+                     sinks: dict[int, asyncio.Queue]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several sequences interleaved as they arrive (those `admit` queued read from
+        `sinks`); cancelling aborts them all."""
         if len(choices) == 1:
             # aclosing: a consumer that stops early aborts the sequence now, not when the
             # generator is collected.
-            async with aclosing(self.stream_outputs(f"{rid}-0", choices[0], arrival)) as outs:
+            async with aclosing(self.stream_outputs(f"{rid}-0", choices[0], arrival, sinks.get(0))) as outs:
                 async for out in outs:
                     yield 0, out
             return
         queue: asyncio.Queue = asyncio.Queue()
         prefilled = {c.index: asyncio.Event() for c in choices if c.leader is None}
-        submitted: set[int] = set()
+        submitted: set[int] = set(sinks)
+        read: set[int] = set()
 
         async def pump(c: Choice) -> None:
             try:
                 if c.leader is not None:
                     await prefilled[c.leader].wait()
                 submitted.add(c.index)  # no await until stream_outputs has registered it
-                async for out in self.stream_outputs(f"{rid}-{c.index}", c, arrival):
+                read.add(c.index)
+                async for out in self.stream_outputs(f"{rid}-{c.index}", c, arrival, sinks.get(c.index)):
                     if c.index in prefilled:
                         prefilled[c.index].set()
                     await queue.put((c.index, out))
@@ -301,10 +343,13 @@ class Server:
             for c in choices:
                 if c.index not in submitted:
                     self.metrics.skipped(c.parent)  # its request ended before this choice's turn
+            for index in set(sinks) - read:
+                self.async_engine.abort(f"{rid}-{index}")  # queued by admit, never read: cancelled first
 
-    async def collect(self, rid: str, choices: list[Choice], arrival: float) -> list[Collected]:
+    async def collect(self, rid: str, choices: list[Choice], arrival: float,
+                      sinks: dict[int, asyncio.Queue]) -> list[Collected]:
         results = [Collected() for _ in choices]
-        async for i, out in self.merged(rid, choices, arrival):
+        async for i, out in self.merged(rid, choices, arrival, sinks):
             results[i].add(out)
         return results
 
@@ -430,11 +475,13 @@ class Server:
             choices = self.plan_completion(body)
         headers = self.ignored_fields(body, request)
         created = int(time.time())
+        sinks = await self.admit(rid, choices, arrival)
         if body.stream:
-            return StreamingResponse(sse_stream(rid, self._stream_completion(body, choices, rid, created, arrival)),
+            return StreamingResponse(sse_stream(rid, self._stream_completion(body, choices, rid, created, arrival,
+                                                                             sinks)),
                                      media_type="text/event-stream", headers=headers)
         results = await self.until_done_or_disconnected(request, asyncio.ensure_future(
-            self.collect(rid, choices, arrival)))
+            self.collect(rid, choices, arrival, sinks)))
         if results is None:
             return Response(status_code=499)
         out = []
@@ -462,7 +509,7 @@ class Server:
                      sum(c.num_cached_tokens for c in leaders))
 
     async def _stream_completion(self, body: CompletionRequest, choices: list[Choice], rid: str, created: int,
-                                 arrival: float) -> AsyncIterator[bytes]:
+                                 arrival: float, sinks: dict[int, asyncio.Queue]) -> AsyncIterator[bytes]:
         def chunk(items: list[dict], extra: dict | None = None) -> bytes:
             payload = {"id": rid, "object": "text_completion", "created": created,
                        "model": self.served_model_name, "choices": items, **(extra or {})}
@@ -475,7 +522,7 @@ class Server:
                 text, _ = self.echo_part(body, c.ids, None)
                 offsets[c.index] = len(text)
                 yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
-        async for i, out in self.merged(rid, choices, arrival):
+        async for i, out in self.merged(rid, choices, arrival, sinks):
             lps = None
             text = out.new_text
             if out.prompt_logprobs is not None and body.echo:
@@ -521,11 +568,12 @@ class Server:
             choices = self.plan_chat(body)
         headers = self.ignored_fields(body, request)
         created = int(time.time())
+        sinks = await self.admit(rid, choices, arrival)
         if body.stream:
-            return StreamingResponse(sse_stream(rid, self._stream_chat(body, choices, rid, created, arrival)),
+            return StreamingResponse(sse_stream(rid, self._stream_chat(body, choices, rid, created, arrival, sinks)),
                                      media_type="text/event-stream", headers=headers)
         results = await self.until_done_or_disconnected(request, asyncio.ensure_future(
-            self.collect(rid, choices, arrival)))
+            self.collect(rid, choices, arrival, sinks)))
         if results is None:
             return Response(status_code=499)
         return JSONResponse({
@@ -536,7 +584,7 @@ class Server:
             "usage": self.total_usage(choices, results)}, headers=headers)
 
     async def _stream_chat(self, body: ChatCompletionRequest, choices: list[Choice], rid: str,
-                           created: int, arrival: float) -> AsyncIterator[bytes]:
+                           created: int, arrival: float, sinks: dict[int, asyncio.Queue]) -> AsyncIterator[bytes]:
         def chunk(items: list[dict], extra: dict | None = None) -> bytes:
             payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
                        "model": self.served_model_name, "choices": items, **(extra or {})}
@@ -546,7 +594,7 @@ class Server:
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         results = [Collected() for _ in choices]
-        async for i, out in self.merged(rid, choices, arrival):
+        async for i, out in self.merged(rid, choices, arrival, sinks):
             lps = self.chat_logprobs(out.new_logprobs) if body.logprobs and out.new_logprobs else None
             if out.new_text or lps or out.finished:
                 delta = {"content": out.new_text} if out.new_text else {}
@@ -587,6 +635,7 @@ class Server:
 
     def stats(self) -> dict[str, Any]:
         stats = engine_stats(self.engine, self.served_model_name, self.started_at)
+        stats["queue"]["retry_after_s"] = self.retry_after_s()
         stats["engine_alive"] = self.async_engine.alive
         stats["gc"] = self.gc.stats()
         return stats
@@ -686,7 +735,9 @@ def build_app(server: Server, cors: CorsPolicy | None = None) -> FastAPI:
     for kind, (status, error_type, code, param) in errors.items():
         async def on_error(request: Request, exc: Exception, status=status, error_type=error_type, code=code,
                            param=param) -> JSONResponse:
-            return error_response(status, str(exc), error_type, code, getattr(exc, "param", None) or param)
+            # A full queue is a capacity refusal: the client is told when to ask again.
+            headers = {"Retry-After": str(server.retry_after_s())} if isinstance(exc, EngineBusyError) else None
+            return error_response(status, str(exc), error_type, code, getattr(exc, "param", None) or param, headers)
         app.add_exception_handler(kind, on_error)
 
     @app.exception_handler(StarletteHTTPException)

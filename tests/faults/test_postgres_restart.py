@@ -1,0 +1,176 @@
+"""A PostgreSQL store restarted under a `lab tune --worker` (a real server, from the `pgserver`
+wheel): while the worker waits on an engine, holding only idle connections, and while it writes a
+trial's cells. The worker waits for the server and goes on: every trial is measured, each boot and
+each cell stored once. Skipped, saying why, where the server cannot start."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import optuna
+import psycopg
+import pytest
+from sqlalchemy import select
+
+from lab.runner.boot import free_port
+from lab.store import models as m
+from lab.store.db import open_store
+from tests.faults.conftest import finish, start, wait_for
+from tests.lab.conftest import STUB
+
+
+@dataclass
+class Server:
+    url: str
+    data: Path
+    user: str
+    port: int
+
+    def stop(self) -> None:
+        import pgserver
+
+        pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.data, user=self.user)
+
+    def start(self) -> None:
+        import pgserver
+
+        pgserver.pg_ctl(["-w", "-o", f"-h 127.0.0.1 -p {self.port} -k {self.data}", "-l", str(self.data / "log"),
+                         "start"], pgdata=self.data, user=self.user, timeout=60)
+
+    def sql(self, statement: str) -> list[tuple]:
+        with psycopg.connect(self.url, autocommit=True) as connection:
+            return connection.execute(statement).fetchall()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """A PostgreSQL server on 127.0.0.1 only (as tests/lab/test_tune_postgres.py starts one)."""
+    pgserver = pytest.importorskip("pgserver", reason="the pgserver wheel (test extra) is not installed: "
+                                                      "pip install -e '.[test]'")
+    root = Path(tempfile.mkdtemp(prefix="lab-pg-faults-"))
+    data = root / "data"
+    try:
+        user = pgserver.get_server(data, cleanup_mode=None).system_user
+        pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=data, user=user)
+        port = free_port()
+        running = Server(f"postgresql://postgres@127.0.0.1:{port}/postgres", data, user, port)
+        running.start()
+    except (OSError, subprocess.SubprocessError) as exc:
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"PostgreSQL (pgserver) did not start here: {exc}")
+    try:
+        yield running
+    finally:
+        try:
+            running.stop()
+        except (OSError, subprocess.SubprocessError):
+            pass
+        shutil.rmtree(root, ignore_errors=True)
+
+
+TUNE = """\
+    name: pgfault
+    engine:
+      kind: command
+      command: [@PYTHON@, @STUB@, --port, "{port}", --model, "{model}"]
+      model: stub
+      bool_style: switch
+      ready_timeout_s: 120
+      stop_grace_s: 2
+      flags: {listen-after: @GATE@}
+    space:
+      - {flag: seqs, choices: ["1", "2", "3"]}
+    objectives:
+      - {metric: ping.latency_ms, where: {i: 0}}
+    instruments:
+      ping: {steps: 2, delay_s: 0}
+    budget: {trials: 2}
+    seed: 1
+    """
+
+
+def worker(tmp_path: Path, url: str, study: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """`lab tune --worker` on the server, its engines held before they listen until the gate goes."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    text = textwrap.dedent(TUNE).replace("@PYTHON@", sys.executable).replace("@STUB@", str(STUB))
+    (tmp_path / "pgfault.yaml").write_text(text.replace("@GATE@", str(gate)))
+    return start(["tune", "pgfault.yaml", "--worker", "--name", study, "--db", url], tmp_path), gate
+
+
+def booting(server: Server, study: str) -> bool:
+    """Whether a trial of `study` has an engine started and not yet ready."""
+    try:
+        return bool(server.sql(f"SELECT 1 FROM boot JOIN tune_trial ON tune_trial.run_id = boot.run_id WHERE "
+                               f"tune_trial.study = '{study}' AND boot.status = 'starting' AND boot.pid IS NOT NULL"))
+    except psycopg.Error:
+        return False  # the lab has not created its tables yet
+
+
+def measured(url: str, study: str) -> tuple[list[optuna.trial.TrialState], list[str], list[tuple]]:
+    """The study's trial states, its boots' statuses, and the cell keys of its trials' boots."""
+    store = open_store(url)
+    try:
+        trials = optuna.load_study(study_name=study, storage=store.url).trials
+        with store.session() as s:
+            runs = s.scalars(select(m.TuneTrial.run_id).where(m.TuneTrial.study == study)).all()
+            boots = s.scalars(select(m.Boot.status).where(m.Boot.run_id.in_(runs)).order_by(m.Boot.id)).all()
+            cells = s.execute(select(m.Cell.boot_id, m.Step.key, m.Cell.metric, m.Cell.params_key)
+                              .join(m.Step, m.Step.id == m.Cell.step_id).join(m.Boot, m.Boot.id == m.Cell.boot_id)
+                              .where(m.Boot.run_id.in_(runs))).all()
+        return [t.state for t in trials], list(boots), [tuple(c) for c in cells]
+    finally:
+        store.close()
+
+
+def assert_every_trial_measured_once(url: str, study: str) -> None:
+    states, boots, cells = measured(url, study)
+    assert states == [optuna.trial.TrialState.COMPLETE] * 2
+    assert boots == ["done", "done"]  # one boot per trial
+    assert len(cells) == len(set(cells)) == 2 * 2  # two pings per trial, each once
+
+
+@pytest.mark.slow
+def test_a_server_restarted_while_the_worker_waits_on_an_engine_is_waited_for(server: Server,
+                                                                              tmp_path: Path) -> None:
+    lab, gate = worker(tmp_path, server.url, "idle")
+    wait_for("a trial's engine booting", lambda: booting(server, "idle"), lab)
+    server.stop()
+    gate.unlink()  # the engine answers now: the worker's next write finds the server gone
+    time.sleep(3)
+    assert lab.poll() is None, "the worker gave up while the server was down"
+    server.start()
+    code, out = finish(lab, timeout=180)
+    assert code == 0, out
+    assert_every_trial_measured_once(server.url, "idle")
+
+
+@pytest.mark.slow
+def test_a_server_restarted_while_the_worker_writes_a_trials_cells_costs_a_retried_write(server: Server,
+                                                                                        tmp_path: Path) -> None:
+    # Holding the cell table (reads still pass, inserts wait), the test stops the worker inside
+    # the transaction that writes a step: its step and request rows are in, its cells not yet.
+    lab, gate = worker(tmp_path, server.url, "writing")
+    wait_for("a trial's engine booting", lambda: booting(server, "writing"), lab)
+    holder = psycopg.connect(server.url)
+    try:
+        holder.execute("LOCK TABLE cell IN EXCLUSIVE MODE")
+        gate.unlink()
+        wait_for("the worker waiting to insert cells", lambda: server.sql(
+            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE 'INSERT INTO cell%'"), lab)
+        server.stop()  # ends the worker's transaction and the test's lock alike
+    finally:
+        holder.close()
+    time.sleep(1)
+    server.start()
+    code, out = finish(lab, timeout=180)
+    assert code == 0, out
+    assert_every_trial_measured_once(server.url, "writing")

@@ -1,0 +1,150 @@
+"""`lab run`, `lab calibrate` and `lab tune` told to stop (SIGTERM, SIGINT) while an engine boots:
+the engine is stopped, the run or trial is stored interrupted, the command exits 130, and resuming
+ends with every cell once. Killed outright (SIGKILL, as a CI timeout does), the lab takes its
+engine with it: the kernel sends the engine SIGTERM (lab/runner/parent_death.py)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from sqlalchemy import select
+
+from lab.store import models as m
+from lab.store.db import open_store
+from tests.faults.conftest import BODY, boot_of, finish, gone_within, keys, ladder, query, run, start, wait_for
+from tests.lab.conftest import STUB, stub_ladder
+
+SIGNALS = [signal.SIGTERM, signal.SIGINT]
+
+
+def interrupt_mid_boot(lab: subprocess.Popen[bytes], db: Path, slot_idx: int, sig: int) -> tuple[m.Boot, str]:
+    """Wait for slot `slot_idx`'s engine to be started and not yet ready, then send `sig` to `lab`."""
+    engine = wait_for(f"slot {slot_idx} booting", lambda: boot_of(db, slot_idx, "starting"), lab)
+    time.sleep(0.3)  # the lab is now polling the engine for its first completion
+    lab.send_signal(sig)
+    code, out = finish(lab)
+    assert code == 130, out
+    assert gone_within(engine.pid, 1), "the engine outlived the interrupted lab"
+    [[boot]] = query(db, select(m.Boot).where(m.Boot.id == engine.id))
+    assert boot.status == "interrupted" and boot.stopped_by in ("SIGTERM", "SIGKILL")
+    return boot, out
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_lab_run_stopped_mid_boot_resumes_with_every_cell_once(sig: int, tmp_path: Path,
+                                                               expected_keys: list[tuple]) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()  # A1's engine waits while it exists before it listens
+    db = tmp_path / "lab.db"
+    lab = start(["run", str(ladder(tmp_path, f"listen-after: {gate}")), "--name", "r"], tmp_path)
+    boot, out = interrupt_mid_boot(lab, db, 1, sig)
+    assert "interrupted; finish it with `lab run --resume r`" in " ".join(out.split())
+    assert [row[0] for row in query(db, select(m.Run.status))] == ["interrupted"]
+    before = keys(db)
+    assert before == [k for k in expected_keys if k[0] == 0]  # the opening control's cells, stored once
+    gate.unlink()
+    code, out = run(["run", "--resume", "r"], tmp_path)
+    assert code == 0, out
+    assert keys(db) == expected_keys
+
+
+def calibration_ladder(tmp_path: Path, gate: Path) -> Path:
+    body = BODY + "keep:\n  metrics: [{metric: ping.latency_ms, where: {i: 0}}]\n"
+    return stub_ladder(tmp_path, body, flags=f"{{listen-after: {gate}}}", bool_style="switch")
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_lab_calibrate_stopped_mid_boot_resumes_and_measures_its_noise(sig: int, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()
+    db = tmp_path / "lab.db"
+    lab = start(["calibrate", str(calibration_ladder(tmp_path, gate)), "--boots", "3", "--name", "cal"], tmp_path)
+    interrupt_mid_boot(lab, db, 0, sig)  # the warm-up boot
+    assert [row[0] for row in query(db, select(m.Run.status))] == ["interrupted"]
+    gate.unlink()
+    code, out = run(["calibrate", "--resume", "cal"], tmp_path)
+    assert code == 0, out
+    assert "ping.latency_ms" in out
+    got = keys(db)
+    assert len(got) == len(set(got)) == 3 * 4  # three measured control boots: three pings and a memory floor each
+    assert len(query(db, select(m.NoiseModel.id))) == 1
+
+
+TUNE = """\
+    name: stubtune
+    engine:
+      kind: command
+      command: [@PYTHON@, @STUB@, --port, "{port}", --model, "{model}"]
+      model: stub
+      bool_style: switch
+      ready_timeout_s: 30
+      stop_grace_s: 2
+      flags: {listen-after: @GATE@}
+    space:
+      - {flag: seqs, choices: ["1", "2", "3"]}
+    objectives:
+      - {metric: ping.latency_ms, where: {i: 0}}
+    instruments:
+      ping: {steps: 2, delay_s: 0}
+    budget: {trials: 2}
+    seed: 1
+    """
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_lab_tune_stopped_mid_boot_fails_that_trial_and_goes_on_when_run_again(sig: int, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()
+    text = textwrap.dedent(TUNE).replace("@PYTHON@", sys.executable).replace("@STUB@", str(STUB))
+    (tmp_path / "stubtune.yaml").write_text(text.replace("@GATE@", str(gate)))
+    db = tmp_path / "lab.db"
+    lab = start(["tune", "stubtune.yaml"], tmp_path)
+    boot, out = interrupt_mid_boot(lab, db, 0, sig)
+    assert "study stubtune goes on when `lab tune stubtune.yaml` is run again" in " ".join(out.split())
+    store = open_store(str(db))
+    try:
+        [trial] = optuna.load_study(study_name="stubtune", storage=store.url).trials
+        assert trial.state == optuna.trial.TrialState.FAIL  # not left running for a waiting `lab tune`
+        assert trial.user_attrs["reason"] == "interrupted: lab tune was stopped during this trial"
+        with store.session() as s:
+            row = s.scalar(select(m.TuneTrial))
+            assert (row.state, row.boot_id) == ("failed", boot.id)
+            assert s.get_one(m.Run, row.run_id).status == "interrupted"
+    finally:
+        store.close()
+    gate.unlink()
+    code, out = run(["tune", "stubtune.yaml", "--worker"], tmp_path)
+    assert code == 0, out
+    store = open_store(str(db))
+    try:
+        trials = optuna.load_study(study_name="stubtune", storage=store.url).trials
+        # The stopped trial does not spend the budget of two: two more were measured.
+        assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] + [optuna.trial.TrialState.COMPLETE] * 2
+        with store.session() as s:
+            boots = s.scalars(select(m.Boot).order_by(m.Boot.id)).all()
+            assert [b.status for b in boots] == ["interrupted", "done", "done"]  # one boot per trial, none twice
+    finally:
+        store.close()
+    got = keys(db)
+    assert len(got) == len(set(got)) == 2 * 2  # the complete trials' two pings each
+
+
+def test_lab_run_killed_outright_takes_its_engine_with_it(tmp_path: Path, expected_keys: list[tuple]) -> None:
+    db = tmp_path / "lab.db"
+    lab = start(["run", str(ladder(tmp_path)), "--name", "r"], tmp_path)
+    engine = wait_for("A1 measured in part", lambda: boot_of(db, 1, "ready"), lab)
+    lab.send_signal(signal.SIGKILL)
+    lab.wait()
+    assert gone_within(engine.pid, 10), "the engine outlived a kill -9 of the lab run that started it"
+    code, out = run(["run", "--resume", "r"], tmp_path)
+    assert code == 0, out
+    assert keys(db) == expected_keys
+    [[status, reason]] = query(db, select(m.Boot.status, m.Boot.reason).where(m.Boot.id == engine.id))
+    assert (status, reason) == ("interrupted", "lab run was killed during this boot")
