@@ -689,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         parser.error(f"{args.command}: {exc}")
     except (RunError, StoreError, LookupError) as exc:
+        if type(exc) in (IndexError, KeyError):
+            raise  # a bug, not a lookup a user asked for: its traceback is what a report needs
         _error(str(exc))
         return 1
     except Interrupted as exc:

@@ -108,7 +108,8 @@ def boot(store: Store, tune: TuneFile, run: RunRecord, ladder: Ladder, plan: ren
     if outcome == "done" and last is not None and last.cold:
         rebooted = last.reason or "cold"
         log.info("%s booted cold (%s): booting it again", run.name, rebooted)
-        again = render.plan(ladder).slots[1]  # the window's closing control: the same configuration
+        first = plan.slots[0]  # the same configuration again, as the window's closing control
+        again = render.SlotSpec(first.idx + 1, first.arm, "control", "close", first.window)
         writer.add_slot(store, run.id, again)
         rc.engine_warmed = True
         outcome = run_slot(rc, reader.slots(store, run.id)[-1])

@@ -35,7 +35,7 @@ instruments:
 keep:
   metrics:
     - {{metric: decode.stream_tok_s, where: {{level: 1}}}}
-hygiene: {{warmup_boot: false, min_mem_available_gib: 0.1}}
+hygiene: {{warmup_boot: true, min_mem_available_gib: 0.1}}  # both controls warm: the rule needs two
 """
 
 

@@ -125,9 +125,11 @@ def test_a_restarted_server_serves_the_prompt_from_the_file_and_reports_it(tmp_p
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL * 16
-    # The first boot built the on-disk cache the second one used: cold, then warm.
-    assert first_stats["cold"] and first_stats["caches_built"][-1]["cache"] == "kv-file-tier"
-    assert not stats["cold"]
+    # The first boot wrote the on-disk cache the second one used; writing it makes no boot cold (the
+    # lab salts each boot's prompts, so no later boot gains from it), and reading it does not either.
+    [tier] = [c for c in first_stats["caches_built"] if c["cache"] == "kv-file-tier"]
+    assert tier["entries_added"] >= FULL and tier["cold"] is False
+    assert not stats["cold"] and not any(c["cache"] == "kv-file-tier" for c in stats["caches_built"])
     assert stats["prefix_cache"]["hits_by_tier"]["file"] == {"blocks": FULL, "tokens": FULL * 16}
     assert stats["prefix_cache"]["tiers"]["file"]["blocks_found_at_start"] == FULL
     labels = '{engine="0",model_name="smollm2-135m"}'
