@@ -115,18 +115,19 @@ def booting(server: Server, study: str) -> bool:
         return False  # the lab has not created its tables yet
 
 
-def measured(url: str, study: str) -> tuple[list[optuna.trial.TrialState], list[str], list[tuple]]:
-    """The study's trial states, its boots' statuses, and the cell keys of its trials' boots."""
+def measured(url: str, study: str) -> tuple[list[optuna.trial.TrialState], list[tuple], list[tuple]]:
+    """The study's trial states, its boots' statuses and cold flags, and the cell keys of its trials' boots."""
     store = open_store(url)
     try:
         trials = optuna.load_study(study_name=study, storage=store.url).trials
         with store.session() as s:
             runs = s.scalars(select(m.TuneTrial.run_id).where(m.TuneTrial.study == study)).all()
-            boots = s.scalars(select(m.Boot.status).where(m.Boot.run_id.in_(runs)).order_by(m.Boot.id)).all()
+            boots = s.execute(select(m.Boot.status, m.Boot.cold).where(m.Boot.run_id.in_(runs))
+                              .order_by(m.Boot.id)).all()
             cells = s.execute(select(m.Cell.boot_id, m.Step.key, m.Cell.metric, m.Cell.params_key)
                               .join(m.Step, m.Step.id == m.Cell.step_id).join(m.Boot, m.Boot.id == m.Cell.boot_id)
                               .where(m.Boot.run_id.in_(runs))).all()
-        return [t.state for t in trials], list(boots), [tuple(c) for c in cells]
+        return [t.state for t in trials], [tuple(b) for b in boots], [tuple(c) for c in cells]
     finally:
         store.close()
 
@@ -134,8 +135,10 @@ def measured(url: str, study: str) -> tuple[list[optuna.trial.TrialState], list[
 def assert_every_trial_measured_once(url: str, study: str) -> None:
     states, boots, cells = measured(url, study)
     assert states == [optuna.trial.TrialState.COMPLETE] * 2
-    assert boots == ["done", "done"]  # one boot per trial
-    assert len(cells) == len(set(cells)) == 2 * 2  # two pings per trial, each once
+    # The first trial boots cold (a command engine's first boot in the worker) and is booted once more,
+    # measured warm; the second is one boot.
+    assert boots == [("done", True), ("done", False), ("done", False)]
+    assert len(cells) == len(set(cells)) == 3 * 2  # two pings per boot, each once
 
 
 @pytest.mark.slow
