@@ -139,8 +139,12 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     base = None if base_problems else _arm_config(ladder, None, ("engine",), located, problems)
     base_env = kind.process_env(render.merged(ladder, None)[1])
     for w, window in enumerate(ladder.windows):
+        problems += _shared_prompts(ladder, w, located)
         for a, arm in enumerate(window.arms):
             where = ("windows", w, "arms", a)
+            if arm.engine is not None:
+                problems += _engine_arm(ladder, arm, where, located)
+                continue
             problems += _one_change(arm, where, located)
             arm_problems = _env(where + ("env",), arm.env, located) + kind.flag_problems(where, arm.flags, arm.env,
                                                                                           located)
@@ -160,6 +164,44 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     return problems
 
 
+
+
+def _engine_arm(ladder: Ladder, arm: Any, where: tuple[Any, ...], located: Located) -> list[Problem]:
+    """An arm that boots its own engine: that engine is its one change, so it sets nothing of the
+    control's engine, and its engine is checked as the ladder's is."""
+    problems = []
+    for part in ("flags", "env"):
+        if getattr(arm, part):
+            problems.append(Problem(located.line(where + (part,)),
+                                    f"arm {arm.name} boots its own engine: its {part} would be the control's "
+                                    f"engine's; put them in its engine ({dotted(where + ('engine', part))})"))
+    kind = kind_of(arm.engine)
+    recipe_problems = _env(where + ("engine", "env"), arm.engine.env, located) + kind.recipe_problems(
+        located, where + ("engine",))
+    problems += recipe_problems
+    if arm.engine == ladder.engine:
+        problems.append(Problem(located.line(where + ("engine",)),
+                                f"arm {arm.name} boots the control's own engine; it changes nothing"))
+    elif not recipe_problems and not problems:
+        _arm_config(ladder, arm, where, located, problems)
+    return problems
+
+
+def _shared_prompts(ladder: Ladder, w: int, located: Located) -> list[Problem]:
+    """A window that compares engines sends each the same prompts, sized by each engine's count:
+    every engine must be one whose prompts the lab can size (the bundled engine, or a command
+    engine that names its `tokenizer`; whether it has a tokenizer route is known only once it has
+    booted, and without one its prompts would be estimated from characters)."""
+    window = ladder.windows[w]
+    if not any(arm.engine is not None for arm in window.arms):
+        return []
+    engines = [(("engine",), ladder.engine, f"the control's engine ({window.control_name})")]
+    engines += [(("windows", w, "arms", a, "engine"), arm.engine, f"arm {arm.name}'s engine")
+                for a, arm in enumerate(window.arms) if arm.engine is not None]
+    return [Problem(located.line(path), f"window {window.name} compares engines on the same prompts, and {who} "
+                                        f"names no tokenizer to size them with; give it {dotted(path)}.tokenizer "
+                                        "(smollm2-135m, a .gguf file or a tokenizer.json)")
+            for path, recipe, who in engines if not kind_of(recipe).prompts_sized()]
 
 
 def _names(ladder: Ladder, located: Located) -> list[Problem]:
@@ -184,6 +226,7 @@ def _names(ladder: Ladder, located: Located) -> list[Problem]:
 
 
 def _one_change(arm: Any, where: tuple[Any, ...], located: Located) -> list[Problem]:
+    """An arm changes one thing: one flag or variable (its engine, for an engine arm: `_engine_arm`)."""
     changes = [f"flag {k}" for k in arm.flags] + [f"env {k}" for k in arm.env]
     if not changes:
         return [Problem(located.line(where), f"arm {arm.name} changes nothing; give it one flag or env change")]
@@ -213,9 +256,12 @@ def _arm_config(ladder: Ladder, arm: Any, where: tuple[Any, ...], located: Locat
     """The arm's full config, or None with the reason appended to problems (at the key it names)."""
     flags, env = render.merged(ladder, arm)
     try:
-        return kind_of(ladder.engine).config(flags, env)[0]
+        return kind_of(render.recipe_of(ladder, arm)).config(flags, env)[0]
     except engine_settings.ConfigError as exc:
-        sources = ([(where, arm)] if arm else []) + [(("engine",), ladder.engine)]
+        if arm is not None and arm.engine is not None:
+            sources = [(where + ("engine",), arm.engine)]
+        else:
+            sources = ([(where, arm)] if arm else []) + [(("engine",), ladder.engine)]
         line = _line_of_knob(str(exc), sources, located) or located.line(where)
         problems.append(Problem(line, f"{arm.name if arm else 'the base engine'}: {exc}"))
         return None
@@ -288,9 +334,8 @@ def _needs_real_weights(instrument: str) -> bool:
 def _random_weights(ladder: Ladder) -> str | None:
     """What makes a boot of this ladder load random weights ("dummy:llama3-8b", "arm A1: --load-format
     dummy"), or None when every boot loads real ones."""
-    kind = kind_of(ladder.engine)
     for arm in [None] + [arm for window in ladder.windows for arm in window.arms]:
-        found = kind.random_weights(render.merged(ladder, arm)[0])
+        found = kind_of(render.recipe_of(ladder, arm)).random_weights(render.merged(ladder, arm)[0])
         if found:
             return found if arm is None else f"arm {arm.name}: {found}"
     return None

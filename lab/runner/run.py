@@ -125,7 +125,7 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
     slots = reader.slots(store, run.id)
     _check_plan(run, plan, slots, reader.arms(store, run.id))
     _claim(store, run)
-    _stop_left_behind(store, run, ladder.engine.stop_grace_s)
+    _stop_left_behind(store, run, max(arm.recipe.stop_grace_s for arm in plan.arms))
     rc = RunContext(store=store, run_id=run.id, run_name=run.name, logs_dir=Path(run.logs_dir), ladder=ladder,
                     plan=plan, fingerprint=fingerprint.collect(),
                     instruments={name: REGISTRY[name]() for name, _ in ladder.instruments.sections()})
@@ -159,7 +159,9 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
                 if status == "done" and slot.idx == first_measured:
                     for text in first_boot_warnings(store, run.id, slot.idx, ladder_text):
                         progress.console.print(f"[yellow]warning[/]: {escape(text)}", highlight=False)
-                if slot.position == "close" and slot.window:
+                if slot.position == "close" and slot.window and ladder.compare_only:
+                    progress.console.print(f"  window {slot.window}: compared, not judged (compare_only)")
+                elif slot.position == "close" and slot.window:
                     # The window is complete: judge its arms now, so the store holds verdicts even if
                     # a later window is interrupted.
                     for arm, verdict in store_verdicts(store, run.id, slot.window).items():
