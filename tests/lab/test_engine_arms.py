@@ -124,6 +124,14 @@ def test_an_engine_arm_is_measured_and_judged_and_named_for_its_engine(judged: P
     assert lab_main(["report", "two", "--db", str(judged / "lab.db"), "--out", str(judged / "reports")]) == 0
     report = (judged / "reports" / "two" / "index.md").read_text()
     assert "| E1scripted | W1 | engine=command:scripted_engine.py |" in report
+    side = report.split("## Engines side by side")[1].split("\n## ")[0]
+    assert ("| metric | params | unit | C0ctl (bundled:smollm2-135m) | E1scripted (command:scripted_engine.py) "
+            "| E1scripted / C0ctl |") in side
+    row = next(line for line in side.splitlines() if line.startswith("| prefill.prefill_tok_s_median |"))
+    control, arm, ratio = (part.strip() for part in row.split("|")[4:7])
+    assert ratio == f"{float(arm.replace(',', '')) / float(control.replace(',', '')):.3g}×"
+    assert "- C0ctl (bundled:smollm2-135m): the lab's own engine" in side
+    assert "- E1scripted (command:scripted_engine.py): " in side and "tokenizer /tokenize" in side
 
 
 COMPARE_ONLY = """\
