@@ -234,6 +234,10 @@ class Ladder(Strict):
     hygiene: Hygiene = Field(default_factory=Hygiene)
     compare_only: bool = Field(False, description="measure and report every arm beside its control, store no "
                                                   "verdict: engines compared, not chosen between")
+    borrowed: Optional[str] = Field(None, description="a YAML or CSV file of figures measured elsewhere (rows: "
+                                                       "metric, params, value, source, date), relative to the "
+                                                       "ladder: stored with the run, drawn beside its figures as "
+                                                       "`borrowed: SOURCE (DATE)`, never judged")
 
 
 def json_schema() -> dict[str, Any]:

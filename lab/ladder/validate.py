@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from lab.engine import settings as engine_settings
 from lab.instruments import REGISTRY
-from lab.ladder import render
+from lab.ladder import borrowed, render
 from lab.ladder import runnable
 from lab.ladder.errors import LadderError, Problem
 from lab.ladder.engines import env_value, kind_of
@@ -48,10 +48,27 @@ def load_ladder(path: str | Path, host: runnable.Host | None = None) -> tuple[La
         raise LadderError(label, [Problem(line, f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as "
                                                 "UTF-8")]) from None
     ladder, located = _parse(text, label)
-    problems = runnable.problems(ladder, located, host or runnable.Host.this())
+    problems = runnable.problems(ladder, located, host or runnable.Host.this()) + _borrowed(ladder, located, path)
     if problems:
         raise LadderError(label, problems)
     return ladder, text
+
+
+def _borrowed(ladder: Ladder, located: Located, path: Path) -> list[Problem]:
+    """The borrowed file must be readable, and each of its figures one this ladder's instruments
+    produce (else it would stand beside nothing)."""
+    if ladder.borrowed is None:
+        return []
+    line = located.line(("borrowed",))
+    try:
+        rows = borrowed.load(borrowed.path_of(ladder.borrowed, path))
+    except borrowed.BorrowedError as exc:
+        return [Problem(line, str(exc))]
+    produced = {f"{name}.{metric}" for name, params in ladder.instruments.sections()
+                for metric in REGISTRY[name]().metrics(params)}
+    return [Problem(line, f"borrowed: {Path(ladder.borrowed).name} row {n}: {row['metric']} is not a figure this "
+                          "ladder's instruments produce; nothing of the run would stand beside it")
+            for n, row in enumerate(rows, start=1) if row["metric"] not in produced]
 
 
 def parse_ladder(text: str, label: str) -> Ladder:
@@ -303,7 +320,10 @@ def _keep(ladder: Ladder, located: Located) -> list[Problem]:
     for where, metric in refs:
         line = located.line(where)
         instrument, _, name = metric.partition(".")
-        if not name:
+        if instrument == borrowed.SERIES or metric.startswith(borrowed.SERIES + ":"):
+            problems.append(Problem(line, f"KEEP metric {metric!r}: borrowed figures are shown, never judged; key "
+                                          "on a figure this ladder measures"))
+        elif not name:
             problems.append(Problem(line, f"KEEP metric {metric!r}: write it as <instrument>.<metric>"))
         elif instrument not in produced:
             listed = "not in this ladder's instruments" if instrument in REGISTRY else "not a registered instrument"

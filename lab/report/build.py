@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab.ladder.validate import parse_ladder
-from lab.report import history_page
+from lab.report import borrowed, history_page
 from lab.report import document as doc
 from lab.report import tables
 from lab.report.data import RunData, load
@@ -164,9 +164,11 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
 
     blocks += [doc.Heading("Boots"), doc.FigureBlock(figures["boot_timeline"]),
                doc.TableBlock(tables.boots_table(data))]
+    figures_table = borrowed.beside(tables.figures_table(data), borrowed.rows_of(run))
     blocks += [doc.Heading("Every stored figure"),
                doc.Collapsed("Median of repeats per boot; cold boots marked (never used for KEEP)",
-                             [doc.TableBlock(tables.figures_table(data))])]
+                             [doc.TableBlock(figures_table)])]
+    blocks += borrowed.blocks(borrowed.rows_of(run))
     blocks += [doc.Heading("Ladder"), doc.Code(run["ladder_text"], "yaml")]
     blocks += [doc.Heading("Environment"), doc.TableBlock(tables.fingerprint_table(data))]
     return blocks

@@ -13,6 +13,7 @@ from lab.instruments.capabilities import summary
 from lab.ladder.engines import kind_of
 from lab.ladder.ladder import Ladder
 from lab.ladder.render import engine_windows
+from lab.report import borrowed
 from lab.report import document as doc
 from lab.report.data import RunData
 
@@ -26,7 +27,7 @@ def engine_blocks(data: RunData, ladder: Ladder) -> list[doc.Block]:
     for window in windows:
         engines = {window.control_name: kind_of(ladder.engine).label()}
         engines |= {arm.name: kind_of(arm.engine).label() for arm in window.arms if arm.engine is not None}
-        table = side_by_side(data, window.name, engines)
+        table = borrowed.beside(side_by_side(data, window.name, engines), borrowed.rows_of(data.run))
         blocks.append(doc.Paragraph(f"Window {window.name}: every engine was sent the same prompts; each value is "
                                     "the median over the warm finished boots of that engine (controls: opening, "
                                     "between and closing), the ratio is arm over control."))
