@@ -1,12 +1,15 @@
 """Read a ladder and refuse it, with file and line, unless it can be run as written.
 
-Rules beyond the schema: one change per arm (unless `multi: true`), no arm identical to its
-control, names unique across the ladder, bundled-engine flags and LAB_ENGINE_* variables that exist
-with values the engine accepts, environment values that reach the engine intact, command templates
+Rules beyond the schema: one change per arm (unless `multi: true`; an engine arm's one change is
+its engine, and it sets no flags or env of the control's), no arm identical to its control, in a
+window with an engine arm every engine able to size prompts (a command engine names `tokenizer:`),
+names unique across the ladder, bundled-engine flags and LAB_ENGINE_* variables that exist with
+values the engine accepts, environment values that reach the engine intact, command templates
 with a `{port}` to fill, and KEEP metrics and gates that some listed instrument produces and
 that mean something on the weights the ladder boots: an instrument that scores answers (qeval,
 needle) stores only "not applicable" cells on random weights (the bundled engine's `dummy:<preset>`,
-vLLM's and SGLang's `--load-format dummy`), so no KEEP rule may key on it there.
+vLLM's and SGLang's `--load-format dummy`), so no KEEP rule may key on it there. Borrowed
+figures (`borrowed:`) are never judged: no KEEP rule may name one.
 """
 
 from __future__ import annotations
