@@ -38,6 +38,7 @@ prefill.prefill_tok_s,length=128,2500,tok/s,a paper,2025-11-30
 """
 
 
+@pytest.mark.slow
 def test_a_report_draws_borrowed_figures_marked_with_their_source_and_judges_without_them(
         tmp_path: Path, lab) -> None:
     (tmp_path / "lent.yaml").write_text(LADDER)

@@ -90,6 +90,7 @@ def prompts_by_boot(db: Path) -> dict[str, list[tuple[str, int]]]:
     return found
 
 
+@pytest.mark.slow
 def test_an_engine_arm_is_sent_the_controls_prompts_and_stores_its_own_counts(judged: Path) -> None:
     prompts = prompts_by_boot(judged / "lab.db")
     control, arm, closing = prompts["C0ctl/open"], prompts["E1scripted/arm"], prompts["C0ctl/close"]
@@ -100,6 +101,7 @@ def test_an_engine_arm_is_sent_the_controls_prompts_and_stores_its_own_counts(ju
     assert not {text for text, _ in closing} & {text for text, _ in control}
 
 
+@pytest.mark.slow
 def test_an_engine_arm_is_measured_and_judged_and_named_for_its_engine(judged: Path, capsys,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from lab.cli import main as lab_main
@@ -153,6 +155,7 @@ keep:
 """ % (scripted(indent=2).rstrip("\n"), scripted(step_ms=20, indent=10).rstrip("\n"))
 
 
+@pytest.mark.slow
 def test_a_compare_only_ladder_stores_and_reports_no_verdict(tmp_path: Path, lab, capsys) -> None:
     (tmp_path / "c.yaml").write_text(COMPARE_ONLY)
     assert lab("run", "c.yaml", "--name", "c") == 0
@@ -201,6 +204,7 @@ keep:
        scripted(step_ms=20, indent=10).rstrip("\n"))
 
 
+@pytest.mark.slow
 def test_an_engine_that_cannot_start_fails_its_boot_and_the_rest_is_judged(tmp_path: Path, lab) -> None:
     (tmp_path / "f.yaml").write_text(FAILING)
     assert lab("run", "f.yaml", "--name", "f") == 0
