@@ -13,6 +13,9 @@ Booted by `lab run` as a `command` engine (benchmarks/ladders/scripted-*.yaml):
     python benchmarks/scripted_engine.py --port PORT [--step-ms 10] [--inject-step-delay-ms 0.5]
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not, `usage` with
 `stream_options.include_usage`), GET /v1/models. The completion has `max_tokens` tokens.
+With `--tokenizer SPEC` (one `engine.tokenizer:` names: smollm2-135m, a .gguf, a tokenizer.json) it
+counts prompts with that tokenizer and serves POST /tokenize as vLLM does, so it can stand beside a
+real engine of that model in one window (an engine arm); without it a prompt token is a word.
 """
 
 from __future__ import annotations
@@ -73,8 +76,24 @@ class Stepper:
                 queue.put_nowait(1)
 
 
-def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False) -> Starlette:
+def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False,
+          tokenizer: str | None = None) -> Starlette:
     stepper = Stepper(step_ms / 1e3, delay_ms / 1e3, interrupt)
+    if tokenizer is not None:
+        from lab.instruments import local_tokenizer  # only this mode needs the lab
+
+        local = local_tokenizer.load(tokenizer)
+
+    def prompt_ids(body: dict[str, Any]) -> list[int] | None:
+        if "messages" in body:
+            return local.encode_messages(body["messages"])
+        return local.encode(str(body.get("prompt", "")))
+
+    async def tokenize(request: Request) -> Response:
+        ids = prompt_ids(await request.json())
+        if ids is None:
+            return JSONResponse({"error": {"message": "no chat template"}}, status_code=400)
+        return JSONResponse({"tokens": ids, "count": len(ids)})
 
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
@@ -85,8 +104,8 @@ def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False) 
         n = int(body.get("max_tokens") or 16)
         prompt = (" ".join(str(m.get("content", "")) for m in body.get("messages", [])) if chat
                   else str(body.get("prompt", "")))
-        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
-                 "total_tokens": len(prompt.split()) + n}
+        counted = len(prompt_ids(body) or []) if tokenizer is not None else len(prompt.split())
+        usage = {"prompt_tokens": counted, "completion_tokens": n, "total_tokens": counted + n}
         kind = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             queue = stepper.join()
@@ -136,8 +155,11 @@ def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False) 
         yield
         task.cancel()
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", complete, methods=["POST"]),
-                             Route("/v1/chat/completions", complete, methods=["POST"])], lifespan=lifespan)
+    routes = [Route("/v1/models", models), Route("/v1/completions", complete, methods=["POST"]),
+              Route("/v1/chat/completions", complete, methods=["POST"])]
+    if tokenizer is not None:
+        routes.append(Route("/tokenize", tokenize, methods=["POST"]))
+    return Starlette(routes=routes, lifespan=lifespan)
 
 
 def main() -> None:
@@ -149,11 +171,12 @@ def main() -> None:
     parser.add_argument("--noop", default="", help="changes nothing (A/A arms)")
     parser.add_argument("--interrupt-requests", action="store_true",
                         help="serve one request at a time: a new request ends the streams in progress")
+    parser.add_argument("--tokenizer", help="count prompts with this tokenizer and serve /tokenize")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     log.info("scripted engine: step %.3f ms + injected %.3f ms, noop=%r", args.step_ms, args.inject_step_delay_ms,
              args.noop)
-    uvicorn.run(build(args.step_ms, args.inject_step_delay_ms, args.model, args.interrupt_requests),
+    uvicorn.run(build(args.step_ms, args.inject_step_delay_ms, args.model, args.interrupt_requests, args.tokenizer),
                 host="127.0.0.1", port=args.port,
                 log_level="warning")
 

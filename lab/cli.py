@@ -86,10 +86,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not ladder:
             raise UsageError("--dry-run needs LADDER.yaml")
         plan = render.plan(ladder)
-        kind = kind_of(ladder.engine)
-        # What each arm would run, its environment first; the port is chosen at each boot.
+        # What each arm would run (an engine arm its own engine), its environment first; the port is
+        # chosen at each boot.
         commands = {arm.name: shlex.join([*(f"{k}={v}" for k, v in sorted(launch.env.items())), *launch.argv])
-                    for arm in plan.arms for launch in [kind.launch(arm, "{port}")]}
+                    for arm in plan.arms for launch in [kind_of(arm.recipe).launch(arm, "{port}")]}
         out = _console(stdout=True)
         if boots:
             out.print(f"first a calibration: a warm-up, then {boots} boots of {ladder.windows[0].control_name} "

@@ -397,10 +397,11 @@ def judge_arm(evidence: RunEvidence, rule: keep.KeepRule, arm: str) -> keep.Verd
 def judge(evidence: RunEvidence, window: str | None = None) -> dict[str, keep.Verdict]:
     """The KEEP verdict of every arm of the run (or of one window), in ladder order; nothing is written.
 
-    A ladder without key metrics has nothing to judge: no verdicts.
+    A ladder without key metrics has nothing to judge, and a `compare_only` ladder is measured to be
+    compared, not to choose: no verdicts.
     """
     rule = evidence.spec.rule
-    if rule is None:
+    if rule is None or evidence.ladder.compare_only:
         return {}
     return {arm: judge_arm(evidence, rule, arm) for arm in evidence.arms("arm")
             if window is None or evidence.window(arm) == window}

@@ -20,7 +20,7 @@ from lab.instruments import local_tokenizer
 from lab.instruments.engine_extras import RANDOM_WEIGHTS_SOURCE
 from lab.ladder.errors import Problem
 from lab.ladder.ladder import BundledEngine, CommandEngine
-from lab.ladder.yaml_lines import Located
+from lab.ladder.yaml_lines import Located, dotted
 
 HOST = "127.0.0.1"
 Recipe = Union[BundledEngine, CommandEngine]
@@ -67,11 +67,15 @@ class EngineKind(Protocol):
     def flag_problems(self, where: tuple[Any, ...], flags: dict[str, Any], env: dict[str, Any],
                       located: Located) -> list[Problem]: ...
 
-    def recipe_problems(self, located: Located) -> list[Problem]: ...
+    def recipe_problems(self, located: Located, where: tuple[Any, ...] = ("engine",)) -> list[Problem]: ...
+
+    def label(self) -> str: ...
+
+    def prompts_sized(self) -> bool: ...
 
     def unknown_knob(self, flag: str | None = None, env: str | None = None) -> str | None: ...
 
-    def file_problems(self, located: Located) -> list[Problem]: ...
+    def file_problems(self, located: Located, where: tuple[Any, ...] = ("engine",)) -> list[Problem]: ...
 
     def config(self, flags: dict[str, Any], env: dict[str, str]) -> tuple[dict[str, Any], str]: ...
 
@@ -126,13 +130,20 @@ class BundledKind:
                     f"{env[len(engine_settings.ENV_PREFIX):].lower()!r} in the bundled engine")
         return None
 
-    def recipe_problems(self, located: Located) -> list[Problem]:
-        problems = self.flag_problems(("engine",), self.recipe.flags, self.recipe.env, located)
+    def recipe_problems(self, located: Located, where: tuple[Any, ...] = ("engine",)) -> list[Problem]:
+        problems = self.flag_problems(where, self.recipe.flags, self.recipe.env, located)
         if "model" in {engine_settings.knob_from_flag(k) for k in self.recipe.flags}:
-            problems.append(Problem(located.line(("engine", "flags", "model")), "set the model with engine.model"))
+            problems.append(Problem(located.line(where + ("flags", "model")), "set the model with engine.model"))
         return problems
 
-    def file_problems(self, located: Located) -> list[Problem]:
+    def label(self) -> str:
+        """How `lab ls` and reports name an arm that boots this engine: `bundled:smollm2-135m`."""
+        return f"bundled:{self.recipe.model}"
+
+    def prompts_sized(self) -> bool:
+        return True  # its /tokenize sizes prompts exactly
+
+    def file_problems(self, located: Located, where: tuple[Any, ...] = ("engine",)) -> list[Problem]:
         return []  # its model is found, or refused, by its own boot
 
     def engine_config(self, flags: dict[str, Any], env: dict[str, str]) -> engine_settings.EngineConfig:
@@ -212,18 +223,33 @@ class CommandKind:
     def unknown_knob(self, flag: str | None = None, env: str | None = None) -> str | None:
         return None
 
-    def recipe_problems(self, located: Located) -> list[Problem]:
+    def recipe_problems(self, located: Located, where: tuple[Any, ...] = ("engine",)) -> list[Problem]:
         problems = []
         if not any("{port}" in part for part in self.recipe.command):
-            problems.append(Problem(located.line(("engine", "command")),
+            problems.append(Problem(located.line(where + ("command",)),
                                     "command has no {port} placeholder; the lab gives each boot a free port"))
         if "{port}" not in self.recipe.base_url:
-            problems.append(Problem(located.line(("engine", "base_url")), "base_url has no {port} placeholder"))
+            problems.append(Problem(located.line(where + ("base_url",)), "base_url has no {port} placeholder"))
         if "{name}" not in self.recipe.flag_style or "{value}" not in self.recipe.flag_style:
-            problems.append(Problem(located.line(("engine", "flag_style")), "flag_style needs {name} and {value}"))
+            problems.append(Problem(located.line(where + ("flag_style",)), "flag_style needs {name} and {value}"))
         return problems
 
-    def file_problems(self, located: Located) -> list[Problem]:
+    def label(self) -> str:
+        """`command:` and the program it runs: the module after `-m` (`llama_cpp.server`), else the
+        script it runs (`scripted_engine.py`), else the executable (`vllm`)."""
+        argv = [self.recipe.executable or part if part == "{executable}" else part for part in self.recipe.command]
+        if "-m" in argv[:-1]:
+            program = argv[argv.index("-m") + 1]
+        else:
+            program = next((part for part in argv[1:] if part.endswith(".py")), argv[0])
+        return f"command:{program.rsplit('/', 1)[-1]}"
+
+    def prompts_sized(self) -> bool:
+        """Whether the lab can size its prompts whatever it serves: only with a `tokenizer` named
+        (whether it has a tokenizer route is known once it boots)."""
+        return self.recipe.tokenizer is not None
+
+    def file_problems(self, located: Located, where: tuple[Any, ...] = ("engine",)) -> list[Problem]:
         """Its `tokenizer` must be readable here: every probe would find it unusable. (Its
         `executable` is not checked: the shipped ladders name engines this host may lack, and a
         boot that cannot start costs nothing and says why.)"""
@@ -232,7 +258,7 @@ class CommandKind:
         try:
             local_tokenizer.load(self.recipe.tokenizer)
         except local_tokenizer.TokenizerLoadError as exc:
-            return [Problem(located.line(("engine", "tokenizer")), f"engine.{exc}")]
+            return [Problem(located.line(where + ("tokenizer",)), f"{dotted(where)}.{exc}")]
         return []
 
     def config(self, flags: dict[str, Any], env: dict[str, str]) -> tuple[dict[str, Any], str]:

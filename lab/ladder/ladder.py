@@ -86,6 +86,9 @@ Engine = Annotated[Union[BundledEngine, CommandEngine], Field(discriminator="kin
 
 class Arm(Strict):
     name: Name
+    engine: Optional[Engine] = Field(None, description="another engine, booted in this arm's place: the arm's one "
+                                                       "change is the engine (it then sets no flags or env of "
+                                                       "the control's; its own are in its engine)")
     flags: dict[str, CommandValue] = Field(default_factory=dict)
     env: dict[str, Scalar] = Field(default_factory=dict)
     multi: bool = Field(False, description="allow this arm to change more than one thing")
@@ -229,6 +232,12 @@ class Ladder(Strict):
     instruments: Instruments = Field(default_factory=Instruments)  # type: ignore[valid-type]
     keep: Keep = Field(default_factory=Keep)
     hygiene: Hygiene = Field(default_factory=Hygiene)
+    compare_only: bool = Field(False, description="measure and report every arm beside its control, store no "
+                                                  "verdict: engines compared, not chosen between")
+    borrowed: Optional[str] = Field(None, description="a YAML or CSV file of figures measured elsewhere (rows: "
+                                                       "metric, params, value, source, date), relative to the "
+                                                       "ladder: stored with the run, drawn beside its figures as "
+                                                       "`borrowed: SOURCE (DATE)`, never judged")
 
 
 def json_schema() -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lab.ladder.engines import env_value, kind_of
+from lab.ladder.engines import Recipe, env_value, kind_of
 from lab.ladder.ladder import Arm, Ladder
 
 Role = Literal["warmup", "control", "arm"]
@@ -31,6 +31,7 @@ class ArmSpec:
     env: dict[str, str]  # base env updated by the change, rendered to strings
     config: dict[str, Any]  # what the hash covers: effective knobs (bundled) or command recipe
     config_hash: str
+    recipe: Recipe  # the engine it boots: the ladder's, or an engine arm's own
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,18 @@ class Plan:
         return next(a for a in self.arms if a.name == name)
 
 
+def recipe_of(ladder: Ladder, arm: Arm | None) -> Recipe:
+    """The engine an arm boots: its own where it names one, else the ladder's."""
+    return arm.engine if arm is not None and arm.engine is not None else ladder.engine
+
+
 def merged(ladder: Ladder, arm: Arm | None) -> tuple[dict[str, Any], dict[str, str]]:
-    flags = dict(ladder.engine.flags)
-    env = {k: env_value(v) for k, v in ladder.engine.env.items()}
-    if arm is not None:
+    """The flags and env an arm boots with: the ladder engine's with the arm's change, or an engine
+    arm's own engine's."""
+    recipe = recipe_of(ladder, arm)
+    flags = dict(recipe.flags)
+    env = {k: env_value(v) for k, v in recipe.env.items()}
+    if arm is not None and arm.engine is None:
         flags.update(arm.flags)
         env.update({k: env_value(v) for k, v in arm.env.items()})
     return flags, env
@@ -62,11 +71,36 @@ def merged(ladder: Ladder, arm: Arm | None) -> tuple[dict[str, Any], dict[str, s
 
 def arm_spec(ladder: Ladder, window: str, arm: Arm | None, control_name: str) -> ArmSpec:
     flags, env = merged(ladder, arm)
-    config, digest = kind_of(ladder.engine).config(flags, env)
-    change = {"flags": dict(arm.flags), "env": {k: env_value(v) for k, v in arm.env.items()}} if arm else {}
+    recipe = recipe_of(ladder, arm)
+    kind = kind_of(recipe)
+    config, digest = kind.config(flags, env)
+    if arm is not None and arm.engine is not None:
+        change: dict[str, dict[str, Any]] = {"engine": {"engine": kind.label()}}
+    else:
+        change = {"flags": dict(arm.flags), "env": {k: env_value(v) for k, v in arm.env.items()}} if arm else {}
     return ArmSpec(name=arm.name if arm else control_name, role="arm" if arm else "control", window=window,
                    change=change, multi=bool(arm and arm.multi), flags=flags, env=env, config=config,
-                   config_hash=digest)
+                   config_hash=digest, recipe=recipe)
+
+
+def engine_windows(ladder: Ladder) -> set[str]:
+    """The windows with an engine arm: their engines are sent the same prompts (`prompt_seed`)."""
+    return {window.name for window in ladder.windows if any(arm.engine is not None for arm in window.arms)}
+
+
+def prompt_seed(ladder: Ladder, plan: Plan, slot_idx: int) -> str | None:
+    """What seeds the prompts of a boot in a window with an engine arm, or None where each boot
+    seeds its own (every other boot). Every arm boot of repeat r shares it with the control boot
+    that opens repeat r, so every engine of the window is sent the same prompt texts (sized by each
+    engine's tokenizer: the same text where they tokenize alike); the closing control keeps its own
+    seed, so no control boot is sent another control boot's prompts (a persistent prefix cache
+    would serve it)."""
+    slot = plan.slots[slot_idx]
+    if slot.window not in engine_windows(ladder) or slot.position == "close":
+        return None
+    repeat = sum(1 for s in plan.slots[:slot_idx + 1]
+                 if s.window == slot.window and s.role == "control" and s.position in ("open", "between")) - 1
+    return f"{slot.window}/{repeat}"
 
 
 def plan(ladder: Ladder) -> Plan:

@@ -47,6 +47,9 @@ def problems(ladder: Ladder, located: Located, host: Host | None) -> list[Proble
     found = _where(ladder, located) + _contexts(ladder, located)
     if host is not None:
         found += _host_memory(ladder, located, host) + kind_of(ladder.engine).file_problems(located)
+        found += [problem for w, window in enumerate(ladder.windows) for a, arm in enumerate(window.arms)
+                  if arm.engine is not None
+                  for problem in kind_of(arm.engine).file_problems(located, ("windows", w, "arms", a, "engine"))]
         found += _neighbour(ladder, located, host)
     return found
 
@@ -116,13 +119,12 @@ def _requests(ladder: Ladder) -> list[tuple[tuple[Any, ...], str, int]]:
 def _contexts(ladder: Ladder, located: Located) -> list[Problem]:
     """Requests longer than the context of a boot whose context is known before it boots (the
     bundled engine's): every such cell would be spent invalid."""
-    kind = kind_of(ladder.engine)
     boots = [(None, "the base engine")] + [(arm, f"arm {arm.name}") for window in ladder.windows
                                            for arm in window.arms]
     found: list[Problem] = []
     for path, field, tokens in _requests(ladder):
         for arm, who in boots:
-            context = kind.context(*render.merged(ladder, arm))
+            context = kind_of(render.recipe_of(ladder, arm)).context(*render.merged(ladder, arm))
             if context is not None and tokens > context:
                 found.append(Problem(located.line(path), f"{field}: a request of {tokens:,} tokens does not fit "
                                                          f"the context of {context:,} that {who} boots with"))

@@ -1,12 +1,15 @@
 """Read a ladder and refuse it, with file and line, unless it can be run as written.
 
-Rules beyond the schema: one change per arm (unless `multi: true`), no arm identical to its
-control, names unique across the ladder, bundled-engine flags and LAB_ENGINE_* variables that exist
-with values the engine accepts, environment values that reach the engine intact, command templates
+Rules beyond the schema: one change per arm (unless `multi: true`; an engine arm's one change is
+its engine, and it sets no flags or env of the control's), no arm identical to its control, in a
+window with an engine arm every engine able to size prompts (a command engine names `tokenizer:`),
+names unique across the ladder, bundled-engine flags and LAB_ENGINE_* variables that exist with
+values the engine accepts, environment values that reach the engine intact, command templates
 with a `{port}` to fill, and KEEP metrics and gates that some listed instrument produces and
 that mean something on the weights the ladder boots: an instrument that scores answers (qeval,
 needle) stores only "not applicable" cells on random weights (the bundled engine's `dummy:<preset>`,
-vLLM's and SGLang's `--load-format dummy`), so no KEEP rule may key on it there.
+vLLM's and SGLang's `--load-format dummy`), so no KEEP rule may key on it there. Borrowed
+figures (`borrowed:`) are never judged: no KEEP rule may name one.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pydantic import ValidationError
 
 from lab.engine import settings as engine_settings
 from lab.instruments import REGISTRY
-from lab.ladder import render
+from lab.ladder import borrowed, render
 from lab.ladder import runnable
 from lab.ladder.errors import LadderError, Problem
 from lab.ladder.engines import env_value, kind_of
@@ -48,10 +51,27 @@ def load_ladder(path: str | Path, host: runnable.Host | None = None) -> tuple[La
         raise LadderError(label, [Problem(line, f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as "
                                                 "UTF-8")]) from None
     ladder, located = _parse(text, label)
-    problems = runnable.problems(ladder, located, host or runnable.Host.this())
+    problems = runnable.problems(ladder, located, host or runnable.Host.this()) + _borrowed(ladder, located, path)
     if problems:
         raise LadderError(label, problems)
     return ladder, text
+
+
+def _borrowed(ladder: Ladder, located: Located, path: Path) -> list[Problem]:
+    """The borrowed file must be readable, and each of its figures one this ladder's instruments
+    produce (else it would stand beside nothing)."""
+    if ladder.borrowed is None:
+        return []
+    line = located.line(("borrowed",))
+    try:
+        rows = borrowed.load(borrowed.path_of(ladder.borrowed, path))
+    except borrowed.BorrowedError as exc:
+        return [Problem(line, str(exc))]
+    produced = {f"{name}.{metric}" for name, params in ladder.instruments.sections()
+                for metric in REGISTRY[name]().metrics(params)}
+    return [Problem(line, f"borrowed: {Path(ladder.borrowed).name} row {n}: {row['metric']} is not a figure this "
+                          "ladder's instruments produce; nothing of the run would stand beside it")
+            for n, row in enumerate(rows, start=1) if row["metric"] not in produced]
 
 
 def parse_ladder(text: str, label: str) -> Ladder:
@@ -139,8 +159,12 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     base = None if base_problems else _arm_config(ladder, None, ("engine",), located, problems)
     base_env = kind.process_env(render.merged(ladder, None)[1])
     for w, window in enumerate(ladder.windows):
+        problems += _shared_prompts(ladder, w, located)
         for a, arm in enumerate(window.arms):
             where = ("windows", w, "arms", a)
+            if arm.engine is not None:
+                problems += _engine_arm(ladder, arm, where, located)
+                continue
             problems += _one_change(arm, where, located)
             arm_problems = _env(where + ("env",), arm.env, located) + kind.flag_problems(where, arm.flags, arm.env,
                                                                                           located)
@@ -160,6 +184,44 @@ def _rules(ladder: Ladder, located: Located) -> list[Problem]:
     return problems
 
 
+
+
+def _engine_arm(ladder: Ladder, arm: Any, where: tuple[Any, ...], located: Located) -> list[Problem]:
+    """An arm that boots its own engine: that engine is its one change, so it sets nothing of the
+    control's engine, and its engine is checked as the ladder's is."""
+    problems = []
+    for part in ("flags", "env"):
+        if getattr(arm, part):
+            problems.append(Problem(located.line(where + (part,)),
+                                    f"arm {arm.name} boots its own engine: its {part} would be the control's "
+                                    f"engine's; put them in its engine ({dotted(where + ('engine', part))})"))
+    kind = kind_of(arm.engine)
+    recipe_problems = _env(where + ("engine", "env"), arm.engine.env, located) + kind.recipe_problems(
+        located, where + ("engine",))
+    problems += recipe_problems
+    if arm.engine == ladder.engine:
+        problems.append(Problem(located.line(where + ("engine",)),
+                                f"arm {arm.name} boots the control's own engine; it changes nothing"))
+    elif not recipe_problems and not problems:
+        _arm_config(ladder, arm, where, located, problems)
+    return problems
+
+
+def _shared_prompts(ladder: Ladder, w: int, located: Located) -> list[Problem]:
+    """A window that compares engines sends each the same prompts, sized by each engine's count:
+    every engine must be one whose prompts the lab can size (the bundled engine, or a command
+    engine that names its `tokenizer`; whether it has a tokenizer route is known only once it has
+    booted, and without one its prompts would be estimated from characters)."""
+    window = ladder.windows[w]
+    if not any(arm.engine is not None for arm in window.arms):
+        return []
+    engines = [(("engine",), ladder.engine, f"the control's engine ({window.control_name})")]
+    engines += [(("windows", w, "arms", a, "engine"), arm.engine, f"arm {arm.name}'s engine")
+                for a, arm in enumerate(window.arms) if arm.engine is not None]
+    return [Problem(located.line(path), f"window {window.name} compares engines on the same prompts, and {who} "
+                                        f"names no tokenizer to size them with; give it {dotted(path)}.tokenizer "
+                                        "(smollm2-135m, a .gguf file or a tokenizer.json)")
+            for path, recipe, who in engines if not kind_of(recipe).prompts_sized()]
 
 
 def _names(ladder: Ladder, located: Located) -> list[Problem]:
@@ -184,6 +246,7 @@ def _names(ladder: Ladder, located: Located) -> list[Problem]:
 
 
 def _one_change(arm: Any, where: tuple[Any, ...], located: Located) -> list[Problem]:
+    """An arm changes one thing: one flag or variable (its engine, for an engine arm: `_engine_arm`)."""
     changes = [f"flag {k}" for k in arm.flags] + [f"env {k}" for k in arm.env]
     if not changes:
         return [Problem(located.line(where), f"arm {arm.name} changes nothing; give it one flag or env change")]
@@ -213,9 +276,12 @@ def _arm_config(ladder: Ladder, arm: Any, where: tuple[Any, ...], located: Locat
     """The arm's full config, or None with the reason appended to problems (at the key it names)."""
     flags, env = render.merged(ladder, arm)
     try:
-        return kind_of(ladder.engine).config(flags, env)[0]
+        return kind_of(render.recipe_of(ladder, arm)).config(flags, env)[0]
     except engine_settings.ConfigError as exc:
-        sources = ([(where, arm)] if arm else []) + [(("engine",), ladder.engine)]
+        if arm is not None and arm.engine is not None:
+            sources = [(where + ("engine",), arm.engine)]
+        else:
+            sources = ([(where, arm)] if arm else []) + [(("engine",), ladder.engine)]
         line = _line_of_knob(str(exc), sources, located) or located.line(where)
         problems.append(Problem(line, f"{arm.name if arm else 'the base engine'}: {exc}"))
         return None
@@ -257,7 +323,10 @@ def _keep(ladder: Ladder, located: Located) -> list[Problem]:
     for where, metric in refs:
         line = located.line(where)
         instrument, _, name = metric.partition(".")
-        if not name:
+        if instrument == borrowed.SERIES or metric.startswith(borrowed.SERIES + ":"):
+            problems.append(Problem(line, f"KEEP metric {metric!r}: borrowed figures are shown, never judged; key "
+                                          "on a figure this ladder measures"))
+        elif not name:
             problems.append(Problem(line, f"KEEP metric {metric!r}: write it as <instrument>.<metric>"))
         elif instrument not in produced:
             listed = "not in this ladder's instruments" if instrument in REGISTRY else "not a registered instrument"
@@ -288,9 +357,8 @@ def _needs_real_weights(instrument: str) -> bool:
 def _random_weights(ladder: Ladder) -> str | None:
     """What makes a boot of this ladder load random weights ("dummy:llama3-8b", "arm A1: --load-format
     dummy"), or None when every boot loads real ones."""
-    kind = kind_of(ladder.engine)
     for arm in [None] + [arm for window in ladder.windows for arm in window.arms]:
-        found = kind.random_weights(render.merged(ladder, arm)[0])
+        found = kind_of(render.recipe_of(ladder, arm)).random_weights(render.merged(ladder, arm)[0])
         if found:
             return found if arm is None else f"arm {arm.name}: {found}"
     return None

@@ -11,10 +11,11 @@ from pathlib import Path
 import pandas as pd
 
 from lab.ladder.validate import parse_ladder
-from lab.report import history_page
+from lab.report import borrowed, history_page
 from lab.report import document as doc
 from lab.report import tables
 from lab.report.data import RunData, load
+from lab.report.engines import engine_blocks
 from lab.report.figures import Drawn, draw_all
 from lab.store import reader
 from lab.store.db import Store
@@ -51,7 +52,8 @@ def write_report(store: Store, ref: str | None, out: str | Path = "reports") -> 
     for figure in drawn:
         if figure.png is not None:
             (directory / f"{figure.name}.png").write_bytes(figure.png)
-    blocks = _blocks(data, ladder.description, drawn, _calibration(store, run_id, data.run["ladder_name"]))
+    blocks = _blocks(data, ladder.description, drawn, _calibration(store, run_id, data.run["ladder_name"]),
+                     engine_blocks(data, ladder), ladder.compare_only)
     blocks += _history_links(store, data.run["ladder_name"], Path(out))
     title = f"Run {name}"
     (directory / "index.md").write_text(doc.markdown(title, blocks))
@@ -92,7 +94,8 @@ def _calibration(store: Store, run_id: int, ladder_name: str) -> pd.DataFrame:
                           "created_at": r.created_at} for r in rows])
 
 
-def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataFrame) -> list[doc.Block]:
+def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataFrame,
+            engines: list[doc.Block], compare_only: bool) -> list[doc.Block]:
     run = data.run
     figures = {d.name: d for d in drawn}
     boots = data.boots
@@ -113,6 +116,9 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
     keep = tables.keep_table(data)
     if armless:
         blocks.append(doc.Paragraph(_armless(data)))
+    elif keep.empty and compare_only:
+        blocks.append(doc.Paragraph("No verdicts: the ladder is `compare_only`, its arms are compared with their "
+                                    "controls, not judged.", note=True))
     elif keep.empty:
         blocks.append(doc.Paragraph("No verdicts: the ladder names no key metric.", note=True))
     else:
@@ -123,6 +129,7 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
         blocks.append(doc.Items([f"{arm}: " + " · ".join(why) for arm, why in tables.reasons(data).items()]))
     if not armless:
         blocks.append(doc.FigureBlock(figures["keep"]))
+    blocks += engines
 
     if not noise.empty:
         blocks.append(doc.Heading("Calibration"))
@@ -157,9 +164,11 @@ def _blocks(data: RunData, description: str, drawn: list[Drawn], noise: pd.DataF
 
     blocks += [doc.Heading("Boots"), doc.FigureBlock(figures["boot_timeline"]),
                doc.TableBlock(tables.boots_table(data))]
+    figures_table = borrowed.beside(tables.figures_table(data), borrowed.rows_of(run))
     blocks += [doc.Heading("Every stored figure"),
                doc.Collapsed("Median of repeats per boot; cold boots marked (never used for KEEP)",
-                             [doc.TableBlock(tables.figures_table(data))])]
+                             [doc.TableBlock(figures_table)])]
+    blocks += borrowed.blocks(borrowed.rows_of(run))
     blocks += [doc.Heading("Ladder"), doc.Code(run["ladder_text"], "yaml")]
     blocks += [doc.Heading("Environment"), doc.TableBlock(tables.fingerprint_table(data))]
     return blocks

@@ -25,7 +25,7 @@ def _status(text: str) -> str:
 
 def _change(change: dict) -> str:
     return ", ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
-                     for part in ("flags", "env") for k, v in change.get(part, {}).items()) or "-"
+                     for part in ("engine", "flags", "env") for k, v in change.get(part, {}).items()) or "-"
 
 
 def print_runs(console: Console, store: Store) -> None:

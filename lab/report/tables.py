@@ -192,7 +192,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 def _change(change: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for part in ("flags", "env") for k, v in change.get(part, {}).items()) or "-"
+    return ", ".join(f"{k}={v}" for part in ("engine", "flags", "env") for k, v in change.get(part, {}).items()) or "-"
 
 
 def _params(params: dict[str, Any]) -> str:

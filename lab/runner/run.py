@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from lab.analysis import traps, verdicts
 from lab.analysis.keep import Decision, MetricStatus, Verdict
 from lab.instruments import REGISTRY
-from lab.ladder import render, yaml_lines
+from lab.ladder import borrowed, render, yaml_lines
 from lab.ladder.ladder import Ladder
 from lab.ladder.validate import load_ladder, parse_ladder
 from lab.runner import boot as engine_boot
@@ -58,6 +58,8 @@ def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str |
                      runs_dir: str | Path, stem: str | None = None) -> RunRecord:
     """Store a run of a ladder already validated from `text` (a calibration derives its own)."""
     plan = render.plan(ladder)
+    # Read once, here: the run keeps the figures it was created with, whatever the file says later.
+    figures = borrowed.load(borrowed.path_of(ladder.borrowed, ladder_path)) if ladder.borrowed else None
     taken = {r.name for r in reader.list_runs(store)}
     if name is not None and name in taken:
         raise RunError(f"a run named {name!r} exists; resume it with `lab run --resume {name}` or pick another --name")
@@ -73,7 +75,8 @@ def create_from_text(store: Store, ladder: Ladder, text: str, ladder_path: str |
             run_id = writer.create_run(store, name=name, ladder_name=ladder.name,
                                        ladder_path=str(Path(ladder_path).resolve()), ladder_text=text,
                                        sha256=hashlib.sha256(text.encode()).hexdigest(), engine_kind=ladder.engine.kind,
-                                       logs_dir=str((Path(runs_dir) / name).resolve()), plan=plan)
+                                       logs_dir=str((Path(runs_dir) / name).resolve()), plan=plan,
+                                       borrowed=figures)
             return reader.find_run(store, str(run_id))
         except writer.NameTaken:  # another `lab run` stored a run of this name since it was looked up
             if chosen:
@@ -125,7 +128,7 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
     slots = reader.slots(store, run.id)
     _check_plan(run, plan, slots, reader.arms(store, run.id))
     _claim(store, run)
-    _stop_left_behind(store, run, ladder.engine.stop_grace_s)
+    _stop_left_behind(store, run, max(arm.recipe.stop_grace_s for arm in plan.arms))
     rc = RunContext(store=store, run_id=run.id, run_name=run.name, logs_dir=Path(run.logs_dir), ladder=ladder,
                     plan=plan, fingerprint=fingerprint.collect(),
                     instruments={name: REGISTRY[name]() for name, _ in ladder.instruments.sections()})
@@ -159,7 +162,9 @@ def _execute(store: Store, run: RunRecord, console: Console, time_budget_s: floa
                 if status == "done" and slot.idx == first_measured:
                     for text in first_boot_warnings(store, run.id, slot.idx, ladder_text):
                         progress.console.print(f"[yellow]warning[/]: {escape(text)}", highlight=False)
-                if slot.position == "close" and slot.window:
+                if slot.position == "close" and slot.window and ladder.compare_only:
+                    progress.console.print(f"  window {slot.window}: compared, not judged (compare_only)")
+                elif slot.position == "close" and slot.window:
                     # The window is complete: judge its arms now, so the store holds verdicts even if
                     # a later window is interrupted.
                     for arm, verdict in store_verdicts(store, run.id, slot.window).items():

@@ -74,7 +74,7 @@ def choose(store: Store, run_ref: str, arm: str | None, host: str, port: int) ->
     reason = (verdict.reasons[0] if verdict and verdict.reasons else
               "the unchanged base" if stored[arm].role == "control" else "not judged: the ladder names no key metric")
     return Chosen(run.name, arm, stored[arm].window, decision, reason, picked, spec.config_hash,
-                  kind_of(ladder.engine).launch(spec, port, host))
+                  kind_of(spec.recipe).launch(spec, port, host))
 
 
 def exec_engine(chosen: Chosen) -> None:

@@ -22,9 +22,9 @@ from typing import Any, Callable
 from lab.instruments import capabilities
 from lab.instruments.base import BootContext, Instrument
 from lab.instruments.receipt import Receipt
-from lab.ladder.engines import Launch, kind_of
+from lab.ladder.engines import Launch, Recipe, kind_of
 from lab.ladder.ladder import Ladder
-from lab.ladder.render import Plan
+from lab.ladder.render import Plan, prompt_seed
 from lab.runner import boot as engine_boot
 from lab.runner.engine_control import ProcessControl
 from lab.runner.fingerprint import engine_version
@@ -99,13 +99,13 @@ def _boot_slot(rc: RunContext, slot: SlotRecord) -> str:
 
 def _boot(rc: RunContext, slot: SlotRecord, label: str, gate: MemoryGate) -> tuple[str, str | None]:
     """One boot of the slot: its final status, and why its port was not its own when it failed so."""
-    engine = rc.ladder.engine
+    engine = _engine(rc, slot)
     arm = rc.plan.arm(slot.arm)
     try:
         port: int | None = engine_boot.free_port(rc.ladder.hygiene.ports)
     except engine_boot.PortsBusy as exc:  # the boot is stored failed, its argv with the port unfilled
         port, gate = None, dataclasses.replace(gate, ok=False, reason=str(exc))
-    spec = kind_of(rc.ladder.engine).launch(arm, "{port}" if port is None else port)
+    spec = kind_of(_engine(rc, slot)).launch(arm, "{port}" if port is None else port)
     env, removed = engine_boot.child_env(spec.env)
     boot_id, attempt = writer.start_boot(
         rc.store, run_id=rc.run_id, slot_id=slot.id, port=port, argv=spec.argv, env=spec.env, env_removed=removed,
@@ -134,7 +134,7 @@ def _boot(rc: RunContext, slot: SlotRecord, label: str, gate: MemoryGate) -> tup
             return _fail(rc, slot, boot_id, "failed", taken, proc, sampler), taken
         if not ready.ok:
             return _fail(rc, slot, boot_id, "failed", ready.reason, proc, sampler), None
-        refusal, stats, cold = _check(rc, proc, spec)
+        refusal, stats, cold = _check(rc, slot, proc, spec)
         writer.update_boot(rc.store, boot_id, ready_at=writer.now(), ready_s=ready.seconds, cold=cold,
                            reason=_cold_reason((stats or {}).get("caches_built")) if cold else None,
                            booted_config_hash=stats.get("config_hash") if stats else None, engine_stats=stats,
@@ -160,7 +160,7 @@ def _boot(rc: RunContext, slot: SlotRecord, label: str, gate: MemoryGate) -> tup
             if ended:
                 return _fail(rc, slot, boot_id, *ended, proc, sampler), None
         rc.status(f"{label}: stopping")
-        _recheck_cold(rc, proc, spec, boot_id, at_ready, label)
+        _recheck_cold(rc, slot, proc, spec, boot_id, at_ready, label)
         stopped = proc.stop(engine.stop_grace_s)
         sampler.stop()
         writer.update_boot(rc.store, boot_id, status="done", stopped_at=writer.now(), exit_status=stopped.exit_status,
@@ -171,7 +171,7 @@ def _boot(rc: RunContext, slot: SlotRecord, label: str, gate: MemoryGate) -> tup
         if at_ready is not None:
             # The cells this boot stored count after `lab run --resume`, so record whether they are cold.
             try:
-                _recheck_cold(rc, proc, spec, boot_id, at_ready, label, timeout_s=5.0)
+                _recheck_cold(rc, slot, proc, spec, boot_id, at_ready, label, timeout_s=5.0)
             except Exception as recheck_error:
                 log.warning("%s: could not recheck whether the boot built a cache: %s", label, recheck_error)
         stopped = proc.stop(engine.stop_grace_s) if proc.proc is not None else None
@@ -183,10 +183,15 @@ def _boot(rc: RunContext, slot: SlotRecord, label: str, gate: MemoryGate) -> tup
         raise
 
 
-def _check(rc: RunContext, proc: engine_boot.EngineProcess,
+def _engine(rc: RunContext, slot: SlotRecord) -> Recipe:
+    """The engine this slot boots: its arm's own (an engine arm), else the ladder's."""
+    return rc.plan.arm(slot.arm).recipe
+
+
+def _check(rc: RunContext, slot: SlotRecord, proc: engine_boot.EngineProcess,
            spec: Launch) -> tuple[str | None, dict[str, Any] | None, bool]:
     """(refusal reason or None, engine stats, cold) for a boot that just answered its first completion."""
-    booted = kind_of(rc.ladder.engine).check_booted(lambda url: proc.get_json(url, spec.api_key), spec,
+    booted = kind_of(_engine(rc, slot)).check_booted(lambda url: proc.get_json(url, spec.api_key), spec,
                                                     rc.engine_warmed or reader.any_ready_boot(rc.store, rc.run_id))
     return booted.refusal, booted.stats, booted.cold
 
@@ -203,7 +208,7 @@ def _probe(rc: RunContext, spec: Launch, boot_id: int, slot: SlotRecord) -> dict
     if capped_from is not None:
         largest = cap
     endpoint = capabilities.Endpoint(spec.base_url, spec.api_base, spec.model, spec.api_key,
-                                     request_timeout_s=rc.ladder.engine.request_timeout_s)
+                                     request_timeout_s=_engine(rc, slot).request_timeout_s)
     salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/probe/{boot_id}".encode()).hexdigest()[:12]
     try:
         def asks(what: str) -> bool:
@@ -211,10 +216,10 @@ def _probe(rc: RunContext, spec: Launch, boot_id: int, slot: SlotRecord) -> dict
                        for name, params in rc.ladder.instruments.sections())
 
         caps = asyncio.run(capabilities.probe(endpoint, largest, salt, asks("sends_ignore_eos"),
-                                              getattr(rc.ladder.engine, "tokenizer", None),
+                                              getattr(_engine(rc, slot), "tokenizer", None),
                                               # The bundled engine is known to batch overlapping requests.
                                               ask_overlap=asks("sends_overlapping")
-                                              and not kind_of(rc.ladder.engine).is_the_labs))
+                                              and not kind_of(_engine(rc, slot)).is_the_labs))
     except Exception as exc:  # the engine went away or answered nonsense: the boot is not ready
         caps = {"answered": False, "largest_prompt": {"tokens": largest}, "error": f"{type(exc).__name__}: {exc}"}
     if capped_from is not None:
@@ -223,13 +228,13 @@ def _probe(rc: RunContext, spec: Launch, boot_id: int, slot: SlotRecord) -> dict
     return caps
 
 
-def _recheck_cold(rc: RunContext, proc: engine_boot.EngineProcess, spec: Launch, boot_id: int,
+def _recheck_cold(rc: RunContext, slot: SlotRecord, proc: engine_boot.EngineProcess, spec: Launch, boot_id: int,
                   at_ready: dict[str, Any] | None, label: str, timeout_s: float = 30.0) -> None:
     """Read a bundled engine's /v1/stats once more before it stops: Triton compiles a kernel at the
     first use of a new specialization, so a boot may build a cache while it is measured, and its
     figures are then cold. Stores what was built by now in the engine stats
     (`caches_built_before_stop`) and, when anything was built after ready, the cold flag and why."""
-    if not kind_of(rc.ladder.engine).reports_caches or at_ready is None:
+    if not kind_of(_engine(rc, slot)).reports_caches or at_ready is None:
         return
     status, now = proc.get_json(f"{spec.base_url}/v1/stats", timeout_s=timeout_s)
     built = now.get("caches_built") if status == 200 and isinstance(now, dict) else None
@@ -287,8 +292,9 @@ def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec:
     stored invalid with it."""
     done = reader.stored_steps(rc.store, slot.id)
     controls = reader.warm_control_boots(rc.store, rc.run_id, slot.window or "", slot.idx)
-    salt = hashlib.sha256(f"{rc.run_name}/{slot.idx}/{attempt}/{boot_id}".encode()).hexdigest()[:12]
-    engine = rc.ladder.engine
+    seed = prompt_seed(rc.ladder, rc.plan, slot.idx) or f"{slot.idx}/{attempt}/{boot_id}"
+    salt = hashlib.sha256(f"{rc.run_name}/{seed}".encode()).hexdigest()[:12]
+    engine = _engine(rc, slot)
     control = ProcessControl(rc.store, boot_id, proc, spec, engine.ready_timeout_s, engine.stop_grace_s,
                              kind_of(engine).offline_argv(rc.plan.arm(slot.arm)),
                              status=lambda text: rc.status(f"{label}: {text}"))
@@ -298,7 +304,7 @@ def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec:
                           run_id=rc.run_id, run_name=rc.run_name, slot_id=slot.id, boot_id=boot_id,
                           arm=slot.arm, window=slot.window, role=slot.role,  # type: ignore[arg-type]
                           position=slot.position, salt=salt,  # type: ignore[arg-type]
-                          engine_kind=rc.ladder.engine.kind, params=params, stored=StoredRows(rc.store),
+                          engine_kind=_engine(rc, slot).kind, params=params, stored=StoredRows(rc.store),
                           control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
                           log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps, engine=control,
                           request_timeout_s=engine.request_timeout_s)
@@ -361,7 +367,7 @@ def _fail(rc: RunContext, slot: SlotRecord, boot_id: int, status: str, reason: s
           proc: engine_boot.EngineProcess | None, sampler: MemSampler | None = None) -> str:
     fields: dict[str, Any] = {}
     if proc is not None:
-        stopped = proc.stop(rc.ladder.engine.stop_grace_s)
+        stopped = proc.stop(_engine(rc, slot).stop_grace_s)
         fields = {"stopped_at": writer.now(), "exit_status": stopped.exit_status, "stopped_by": stopped.stopped_by,
                   "log_tail": proc.log_tail()}
     if sampler is not None:

@@ -44,6 +44,9 @@ class Run(Base):
     # What the first measured boot showed about the ladder (a key figure that is mostly ramp, a probe
     # that measures nothing): one line each, naming the ladder line and the fix; None: nothing found.
     warnings: Mapped[list[Any] | None]
+    # Figures measured elsewhere that the ladder names (`borrowed:`), as read when the run was created:
+    # drawn beside the run's own, never judged (lab/ladder/borrowed.py).
+    borrowed: Mapped[list[Any] | None]
 
     arms: Mapped[list["Arm"]] = relationship(back_populates="run", order_by="Arm.id")
     slots: Mapped[list["Slot"]] = relationship(back_populates="run", order_by="Slot.idx")

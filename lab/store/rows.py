@@ -38,6 +38,7 @@ class RunRecord:
     created_at: datetime
     finished_at: datetime | None
     warnings: list[str] | None = None  # what the first measured boot showed about the ladder
+    borrowed: list[dict[str, Any]] | None = None  # the ladder's borrowed figures (lab/ladder/borrowed.py)
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,13 @@ class NameTaken(ValueError):
 
 @writes
 def create_run(store: Store, *, name: str, ladder_name: str, ladder_path: str, ladder_text: str, sha256: str,
-               engine_kind: str, logs_dir: str, plan: RunPlan) -> int:
+               engine_kind: str, logs_dir: str, plan: RunPlan, borrowed: list[dict[str, Any]] | None = None) -> int:
     """The run with its arms and planned slots, in one transaction; NameTaken if the name is."""
     try:
         with store.session() as s, s.begin():
             run = m.Run(name=name, ladder_name=ladder_name, ladder_path=ladder_path, ladder_text=ladder_text,
                         ladder_sha256=sha256, engine_kind=engine_kind, logs_dir=logs_dir, status="running",
-                        created_at=now())
+                        created_at=now(), borrowed=borrowed)
             s.add(run)
             s.flush()
             arm_ids = {}
