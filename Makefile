@@ -43,8 +43,12 @@ chromium:
 			|| echo "chromium could not be installed: the browser CORS test will skip"; \
 	fi
 
+# Two workers: most tests wait on an engine they booted, so two overlap them well even on two
+# cores; more would crowd the tests that time an engine.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 $(LLAMACPP_VENV)/.installed: Makefile
 	mkdir -p $(WHEELS)

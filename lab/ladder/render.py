@@ -95,6 +95,8 @@ def prompt_seed(ladder: Ladder, plan: Plan, slot_idx: int) -> str | None:
     engine's tokenizer: the same text where they tokenize alike); the closing control keeps its own
     seed, so no control boot is sent another control boot's prompts (a persistent prefix cache
     would serve it)."""
+    if slot_idx >= len(plan.slots):  # a slot added after planning: a cold tune trial booted again
+        return None
     slot = plan.slots[slot_idx]
     if slot.window not in engine_windows(ladder) or slot.position == "close":
         return None
