@@ -5,6 +5,8 @@ stored, none twice, the engines gone). docs/faults.md lists each fault with the 
 from __future__ import annotations
 
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -15,7 +17,7 @@ from sqlalchemy import select
 
 from lab.store import models as m
 from lab.store.db import open_store
-from tests.lab.conftest import lab_process, stub_ladder
+from tests.lab.conftest import STUB, lab_process, stub_ladder
 from tests.lab.test_resume import cell_keys, stop_left_engines
 
 # Three measured boots (C0ctl, A1, C0ctl), each three pings and a memory floor: 12 cells. A ping
@@ -141,3 +143,38 @@ def no_engine_left(tmp_path: Path) -> Iterator[None]:
     yield
     for db in tmp_path.rglob("lab.db"):
         stop_left_engines(db)
+
+
+STUB_TUNE = """\
+    name: NAME
+    engine:
+      kind: command
+      command: [PYTHON, STUB, --port, "{port}", --model, "{model}"]
+      model: stub
+      bool_style: switch
+      ready_timeout_s: READY
+      stop_grace_s: 2
+      flags: {listen-after: GATE}
+    space:
+      - {flag: seqs, choices: ["1", "2", "3"]}
+    objectives:
+      - {metric: ping.latency_ms, where: {i: 0}}
+    instruments:
+      ping: {steps: 2, delay_s: 0}
+    budget: {trials: 2}
+    seed: 1
+    """
+
+
+def stub_tune(tmp_path: Path, name: str, ready_timeout_s: int = 30) -> tuple[Path, Path]:
+    """(the tune file, its gate): a two-trial study of the stub engine, whose engines wait before they
+    listen for as long as the gate file exists."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    text = textwrap.dedent(STUB_TUNE)
+    for key, value in {"NAME": name, "PYTHON": sys.executable, "STUB": str(STUB), "READY": str(ready_timeout_s),
+                       "GATE": str(gate)}.items():
+        text = text.replace(key, value, 1)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path, gate

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +21,7 @@ from sqlalchemy import select
 from lab.runner.boot import free_port
 from lab.store import models as m
 from lab.store.db import open_store
-from tests.faults.conftest import finish, start, wait_for
-from tests.lab.conftest import STUB
+from tests.faults.conftest import finish, start, stub_tune, wait_for
 
 
 @dataclass
@@ -76,34 +73,12 @@ def server() -> Iterator[Server]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-TUNE = """\
-    name: pgfault
-    engine:
-      kind: command
-      command: [@PYTHON@, @STUB@, --port, "{port}", --model, "{model}"]
-      model: stub
-      bool_style: switch
-      ready_timeout_s: 120
-      stop_grace_s: 2
-      flags: {listen-after: @GATE@}
-    space:
-      - {flag: seqs, choices: ["1", "2", "3"]}
-    objectives:
-      - {metric: ping.latency_ms, where: {i: 0}}
-    instruments:
-      ping: {steps: 2, delay_s: 0}
-    budget: {trials: 2}
-    seed: 1
-    """
 
 
 def worker(tmp_path: Path, url: str, study: str) -> tuple[subprocess.Popen[bytes], Path]:
     """`lab tune --worker` on the server, its engines held before they listen until the gate goes."""
-    gate = tmp_path / "gate"
-    gate.touch()
-    text = textwrap.dedent(TUNE).replace("@PYTHON@", sys.executable).replace("@STUB@", str(STUB))
-    (tmp_path / "pgfault.yaml").write_text(text.replace("@GATE@", str(gate)))
-    return start(["tune", "pgfault.yaml", "--worker", "--name", study, "--db", url], tmp_path), gate
+    tune, gate = stub_tune(tmp_path, "pgfault", ready_timeout_s=120)
+    return start(["tune", tune.name, "--worker", "--name", study, "--db", url], tmp_path), gate
 
 
 def booting(server: Server, study: str) -> bool:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,8 +16,9 @@ from sqlalchemy import select
 
 from lab.store import models as m
 from lab.store.db import open_store
-from tests.faults.conftest import BODY, boot_of, finish, gone_within, keys, ladder, query, run, start, wait_for
-from tests.lab.conftest import STUB, stub_ladder
+from tests.faults.conftest import (BODY, boot_of, finish, gone_within, keys, ladder, query, run, start, stub_tune,
+                                   wait_for)
+from tests.lab.conftest import stub_ladder
 
 SIGNALS = [signal.SIGTERM, signal.SIGINT]
 
@@ -77,33 +76,11 @@ def test_lab_calibrate_stopped_mid_boot_resumes_and_measures_its_noise(sig: int,
     assert len(query(db, select(m.NoiseModel.id))) == 1
 
 
-TUNE = """\
-    name: stubtune
-    engine:
-      kind: command
-      command: [@PYTHON@, @STUB@, --port, "{port}", --model, "{model}"]
-      model: stub
-      bool_style: switch
-      ready_timeout_s: 30
-      stop_grace_s: 2
-      flags: {listen-after: @GATE@}
-    space:
-      - {flag: seqs, choices: ["1", "2", "3"]}
-    objectives:
-      - {metric: ping.latency_ms, where: {i: 0}}
-    instruments:
-      ping: {steps: 2, delay_s: 0}
-    budget: {trials: 2}
-    seed: 1
-    """
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
 def test_lab_tune_stopped_mid_boot_fails_that_trial_and_goes_on_when_run_again(sig: int, tmp_path: Path) -> None:
-    gate = tmp_path / "gate"
-    gate.touch()
-    text = textwrap.dedent(TUNE).replace("@PYTHON@", sys.executable).replace("@STUB@", str(STUB))
-    (tmp_path / "stubtune.yaml").write_text(text.replace("@GATE@", str(gate)))
+    _, gate = stub_tune(tmp_path, "stubtune")
     db = tmp_path / "lab.db"
     lab = start(["tune", "stubtune.yaml"], tmp_path)
     boot, out = interrupt_mid_boot(lab, db, 0, sig)

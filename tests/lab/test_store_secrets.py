@@ -19,28 +19,14 @@ from lab.runner.boot import free_port
 from lab.store import models as m
 from lab.store.db import StoreError, open_store
 from tests.instruments.ladder_run import REPO
+from tests.lab.conftest import KV_LADDER
 from tests.postgres import Server, postgres
 
 pytestmark = pytest.mark.slow
 
 PASSWORD = "Pw-7f3kQz9x"  # distinctive, so a search of any output for it cannot hit by chance
 
-LADDER = """\
-    name: secret
-    engine:
-      kind: bundled
-      model: dummy:tiny
-      flags: {device: cpu, max-model-len: 512, kv-cache-memory-bytes: 8388608}
-    windows:
-      - name: W1
-        control: C0ctl
-        arms:
-          - {name: A1kv16m, flags: {kv-cache-memory-bytes: 16777216}}
-    instruments:
-      memory:
-    keep:
-      metrics: [memory.kv_pool_tokens]
-    """
+LADDER = KV_LADDER.replace("name: kv", "name: secret", 1)
 
 
 @pytest.fixture(scope="module")
