@@ -5,11 +5,8 @@ each cell stored once. Skipped, saying why, where the server cannot start."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -18,61 +15,23 @@ import psycopg
 import pytest
 from sqlalchemy import select
 
-from lab.runner.boot import free_port
 from lab.store import models as m
 from lab.store.db import open_store
 from tests.faults.conftest import finish, start, stub_tune, wait_for
+from tests.postgres import Server, postgres
 
-
-@dataclass
-class Server:
-    url: str
-    data: Path
-    user: str
-    port: int
-
-    def stop(self) -> None:
-        import pgserver
-
-        pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.data, user=self.user)
-
-    def start(self) -> None:
-        import pgserver
-
-        pgserver.pg_ctl(["-w", "-o", f"-h 127.0.0.1 -p {self.port} -k {self.data}", "-l", str(self.data / "log"),
-                         "start"], pgdata=self.data, user=self.user, timeout=60)
-
-    def sql(self, statement: str) -> list[tuple]:
-        with psycopg.connect(self.url, autocommit=True) as connection:
-            return connection.execute(statement).fetchall()
+PASSWORD = "Pw-faults-4c1e"
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    """A PostgreSQL server on 127.0.0.1 only (as tests/lab/test_tune_postgres.py starts one)."""
-    pgserver = pytest.importorskip("pgserver", reason="the pgserver wheel (test extra) is not installed: "
-                                                      "pip install -e '.[test]'")
-    root = Path(tempfile.mkdtemp(prefix="lab-pg-faults-"))
-    data = root / "data"
-    try:
-        user = pgserver.get_server(data, cleanup_mode=None).system_user
-        pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=data, user=user)
-        port = free_port()
-        running = Server(f"postgresql://postgres@127.0.0.1:{port}/postgres", data, user, port)
-        running.start()
-    except (OSError, subprocess.SubprocessError) as exc:
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.skip(f"PostgreSQL (pgserver) did not start here: {exc}")
-    try:
+    with postgres(PASSWORD) as running:
         yield running
-    finally:
-        try:
-            running.stop()
-        except (OSError, subprocess.SubprocessError):
-            pass
-        shutil.rmtree(root, ignore_errors=True)
 
 
+def sql(server: Server, statement: str) -> list[tuple]:
+    with psycopg.connect(server.url(), autocommit=True) as connection:
+        return connection.execute(statement).fetchall()
 
 
 def worker(tmp_path: Path, url: str, study: str) -> tuple[subprocess.Popen[bytes], Path]:
@@ -84,7 +43,7 @@ def worker(tmp_path: Path, url: str, study: str) -> tuple[subprocess.Popen[bytes
 def booting(server: Server, study: str) -> bool:
     """Whether a trial of `study` has an engine started and not yet ready."""
     try:
-        return bool(server.sql(f"SELECT 1 FROM boot JOIN tune_trial ON tune_trial.run_id = boot.run_id WHERE "
+        return bool(sql(server, f"SELECT 1 FROM boot JOIN tune_trial ON tune_trial.run_id = boot.run_id WHERE "
                                f"tune_trial.study = '{study}' AND boot.status = 'starting' AND boot.pid IS NOT NULL"))
     except psycopg.Error:
         return False  # the lab has not created its tables yet
@@ -119,7 +78,7 @@ def assert_every_trial_measured_once(url: str, study: str) -> None:
 @pytest.mark.slow
 def test_a_server_restarted_while_the_worker_waits_on_an_engine_is_waited_for(server: Server,
                                                                               tmp_path: Path) -> None:
-    lab, gate = worker(tmp_path, server.url, "idle")
+    lab, gate = worker(tmp_path, server.url(), "idle")
     wait_for("a trial's engine booting", lambda: booting(server, "idle"), lab)
     server.stop()
     gate.unlink()  # the engine answers now: the worker's next write finds the server gone
@@ -128,7 +87,7 @@ def test_a_server_restarted_while_the_worker_waits_on_an_engine_is_waited_for(se
     server.start()
     code, out = finish(lab, timeout=180)
     assert code == 0, out
-    assert_every_trial_measured_once(server.url, "idle")
+    assert_every_trial_measured_once(server.url(), "idle")
 
 
 @pytest.mark.slow
@@ -136,13 +95,13 @@ def test_a_server_restarted_while_the_worker_writes_a_trials_cells_costs_a_retri
                                                                                         tmp_path: Path) -> None:
     # Holding the cell table (reads still pass, inserts wait), the test stops the worker inside
     # the transaction that writes a step: its step and request rows are in, its cells not yet.
-    lab, gate = worker(tmp_path, server.url, "writing")
+    lab, gate = worker(tmp_path, server.url(), "writing")
     wait_for("a trial's engine booting", lambda: booting(server, "writing"), lab)
-    holder = psycopg.connect(server.url)
+    holder = psycopg.connect(server.url())
     try:
         holder.execute("LOCK TABLE cell IN EXCLUSIVE MODE")
         gate.unlink()
-        wait_for("the worker waiting to insert cells", lambda: server.sql(
+        wait_for("the worker waiting to insert cells", lambda: sql(server, 
             "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE 'INSERT INTO cell%'"), lab)
         server.stop()  # ends the worker's transaction and the test's lock alike
     finally:
@@ -151,4 +110,4 @@ def test_a_server_restarted_while_the_worker_writes_a_trials_cells_costs_a_retri
     server.start()
     code, out = finish(lab, timeout=180)
     assert code == 0, out
-    assert_every_trial_measured_once(server.url, "writing")
+    assert_every_trial_measured_once(server.url(), "writing")
