@@ -28,7 +28,7 @@ import importlib.util
 mods = ("fastapi", "uvicorn", "pydantic", "sqlalchemy", "optuna", "gguf", "llguidance", "annotated_doc", "xxhash")
 print(" ".join(m for m in mods if importlib.util.find_spec(m) is None))')
 if [ -n "$missing" ]; then
-  echo "h200.sh: not importable here: $missing (run ../shared/device/wheels.sh and carry .whl)" >&2
+  echo "h200.sh: not importable here: $missing (put their wheels in .whl beside this checkout: pip download them on a host with an index)" >&2
   exit 2
 fi
 OUT=${OUT:-/tmp/out}
