@@ -31,7 +31,7 @@ windows:
     arms:
       - {{name: A1, flags: {{max-num-seqs: 8}}}}
 instruments:
-  decode: {{levels: [1], max_tokens: 4}}
+  decode: {{levels: [1], max_tokens: 4, context_tokens: 200}}
   mixed: {{long_tokens: 128, delay_s: 3.0, short_max_tokens: 4}}
   prefill: {{lengths: [64, 600], reps: 1, warmup_reps: 0}}
 keep:
@@ -82,7 +82,7 @@ def test_a_request_longer_than_the_engines_context_stops_the_run_after_its_first
     path.write_text(path.read_text().replace("hygiene: {probe_prompt_tokens: 400}\n", ""))
     assert lab("run", str(path), "--name", "t") == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert ("run t stopped after its first boot: ladder line 13 (instruments.decode.max_tokens): a request of 260 "
+    assert ("run t stopped after its first boot: ladder line 13 (instruments.decode.max_tokens): a request of 460 "
             "tokens; ladder line 15 (instruments.prefill.lengths): a request of 601 tokens does not fit the context "
             "of 256 tokens the engine reported in C0ctl (open), so every boot would fail its readiness probe; "
             "shorten it or boot the engine with a longer context, then start a new run") in err
