@@ -8,6 +8,8 @@ much (as the bundled engine's knob of the same name does), so an arm with a true
 delay / step is possible. `--noop` changes nothing: arms that set it are A/A arms.
 `--interrupt-requests` makes it serve one request at a time as llama-cpp-python's server does by
 default: a request that arrives ends every stream in progress (finish_reason "stop").
+`--eos-after N` ends every completion at N tokens with finish_reason "stop", ignore_eos or not, as
+llama.cpp's server ends one at the model's EOS.
 
 Booted by `lab run` as a `command` engine (benchmarks/ladders/scripted-*.yaml):
     python benchmarks/scripted_engine.py --port PORT [--step-ms 10] [--inject-step-delay-ms 0.5]
@@ -76,7 +78,7 @@ class Stepper:
                 queue.put_nowait(1)
 
 
-def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False,
+def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False, eos_after: int = 0,
           tokenizer: str | None = None) -> Starlette:
     stepper = Stepper(step_ms / 1e3, delay_ms / 1e3, interrupt)
     if tokenizer is not None:
@@ -101,7 +103,8 @@ def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False,
     async def complete(request: Request) -> Response:
         body: dict[str, Any] = await request.json()
         chat = request.url.path.endswith("/chat/completions")
-        n = int(body.get("max_tokens") or 16)
+        asked = int(body.get("max_tokens") or 16)
+        n = min(asked, eos_after) if eos_after else asked
         prompt = (" ".join(str(m.get("content", "")) for m in body.get("messages", [])) if chat
                   else str(body.get("prompt", "")))
         counted = len(prompt_ids(body) or []) if tokenizer is not None else len(prompt.split())
@@ -116,7 +119,7 @@ def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False,
             finally:
                 stepper.leave(queue)
             text = "".join(f"t{i} " for i in range(got))
-            finish = "length" if got == n else "stop"
+            finish = "length" if got == asked else "stop"
             usage = {**usage, "completion_tokens": got, "total_tokens": usage["prompt_tokens"] + got}
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                       if chat else {"index": 0, "text": text, "finish_reason": finish})
@@ -140,7 +143,7 @@ def build(step_ms: float, delay_ms: float, model: str, interrupt: bool = False,
                         usage.update(completion_tokens=i, total_tokens=usage["prompt_tokens"] + i)
                         yield event("", "stop")  # interrupted by a newer request
                         break
-                    yield event(f"t{i} ", "length" if i == n - 1 else None)
+                    yield event(f"t{i} ", None if i < n - 1 else "length" if n == asked else "stop")
             finally:
                 stepper.leave(queue)
             if (body.get("stream_options") or {}).get("include_usage"):
@@ -171,12 +174,15 @@ def main() -> None:
     parser.add_argument("--noop", default="", help="changes nothing (A/A arms)")
     parser.add_argument("--interrupt-requests", action="store_true",
                         help="serve one request at a time: a new request ends the streams in progress")
+    parser.add_argument("--eos-after", type=int, default=0,
+                        help="end every completion at this many tokens (finish_reason stop), ignore_eos or not")
     parser.add_argument("--tokenizer", help="count prompts with this tokenizer and serve /tokenize")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     log.info("scripted engine: step %.3f ms + injected %.3f ms, noop=%r", args.step_ms, args.inject_step_delay_ms,
              args.noop)
-    uvicorn.run(build(args.step_ms, args.inject_step_delay_ms, args.model, args.interrupt_requests, args.tokenizer),
+    uvicorn.run(build(args.step_ms, args.inject_step_delay_ms, args.model, args.interrupt_requests, args.eos_after,
+                      args.tokenizer),
                 host="127.0.0.1", port=args.port,
                 log_level="warning")
 

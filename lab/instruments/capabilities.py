@@ -25,8 +25,8 @@ own:
   its chunks (`token_count.py`): re-tokenizing streamed text undercounts where the tokenizer merges
   what the model generated as separate tokens.
 - `overlap`, where an instrument of the ladder sends requests that overlap (decode above one
-  stream, mixed): `kept` when a stream still runs to its end after a second request arrived,
-  `interrupted` when the second cut it short (llama-cpp-python's server does, unless started with
+  stream, mixed): `kept` when a stream still gives as many tokens after a second request arrived as
+  it gave alone, `interrupted` when the second cut it short (llama-cpp-python's server does, unless started with
   `--interrupt_requests false`): such an engine serves one request at a time, and every figure
   of overlapping requests would be wrong, so those cells are stored invalid with the reason;
   `unknown` when the first stream ended before the second was sent.
@@ -152,7 +152,7 @@ async def probe(endpoint: Endpoint, largest_prompt: int, salt: str, ask_eos: boo
             # Not the forced reply: the special tokens generated past EOS leave no text to count.
             replies.append(plain)
         if ask_overlap:
-            caps["overlap"] = await _overlap(endpoint, salt)
+            caps["overlap"] = await overlap(endpoint, salt)
         if unreadable is not None:
             caps["token_count"] = {"ok": False, "why": unreadable}
         else:
@@ -296,22 +296,26 @@ def _check_chunks(stream: Receipt, whole: Receipt) -> dict[str, Any]:
                                                                          ", and the texts differ")}
 
 
-async def _overlap(endpoint: Endpoint, salt: str) -> dict[str, Any]:
-    """Two streams, the second sent while the first runs: whether the first still runs to its end."""
+async def overlap(endpoint: Endpoint, salt: str) -> dict[str, Any]:
+    """A stream alone, then the same stream with a second request sent while it runs: whether it
+    still gives as many tokens. Against the stream alone, not max_tokens: an engine that ignores
+    ignore_eos (llama.cpp's server) ends it at EOS either way."""
     first = {"model": endpoint.model, "prompt": f"{salt_line(salt)} Count slowly:", "max_tokens": OVERLAP_TOKENS,
              "temperature": 0, "ignore_eos": True}
     second = {**first, "prompt": f"{salt_line(salt)} And again:", "max_tokens": 4}
     async with StreamingClient(endpoint.base_url, endpoint.api_key, max_connections=2) as client:
+        alone = await client.request(first)
         a, b = await client.run_all([first, second], 2, offsets_s=[0.0, OVERLAP_DELAY_S])
-    if not (a.ok and b.ok):
-        return {"found": "unknown", "why": f"a request failed: {a.error or b.error}"}
+    if not (alone.ok and a.ok and b.ok):
+        return {"found": "unknown", "why": f"a request failed: {alone.error or a.error or b.error}"}
     if b.t_sent_ns is not None and a.t_done_ns is not None and a.t_done_ns <= b.t_sent_ns:
         return {"found": "unknown", "why": "the first stream ended before the second was sent"}
-    tokens = a.completion_tokens if a.usage_present else len(a.token_times_ns)
-    if a.finish_reason == "length" and tokens >= OVERLAP_TOKENS:
+    tokens, expected = (r.completion_tokens if r.usage_present else len(r.token_times_ns) for r in (a, alone))
+    if tokens >= expected and a.finish_reason == alone.finish_reason:
         return {"found": "kept"}
-    return {"found": "interrupted", "why": f"a second request cut the first stream short ({tokens} of "
-                                            f"{OVERLAP_TOKENS} tokens, finish_reason {a.finish_reason!r})"}
+    return {"found": "interrupted", "why": f"a second request cut the first stream short ({tokens} tokens, "
+                                            f"finish_reason {a.finish_reason!r}; alone it gave {expected}, "
+                                            f"finish_reason {alone.finish_reason!r})"}
 
 
 def interrupts(caps: dict[str, Any] | None) -> str | None:

@@ -5,15 +5,21 @@ streams "ended early" counted as valid. The scripted engine plays that server.""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import select
 
 from lab.cli import main as lab_main
+from lab.instruments.capabilities import Endpoint, overlap
 from lab.report.listing import print_run
 from lab.store import models as m
+from lab.runner.boot import free_port
 from lab.store.db import open_store
 
 pytestmark = pytest.mark.slow
@@ -69,3 +75,32 @@ def test_an_engine_that_interrupts_overlapping_requests_has_those_cells_invalid_
         assert "overlapping requests interrupted" in capsys.readouterr().out
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("interrupts, found", [(False, "kept"), (True, "interrupted")])
+def test_a_stream_that_ends_at_eos_is_not_taken_for_an_interrupted_one(interrupts: bool, found: str) -> None:
+    # llama.cpp's server ignores ignore_eos: the probe's stream ends at EOS, overlapped or not.
+    port = free_port()
+    argv = [sys.executable, str(SCRIPTED), "--port", str(port), "--step-ms", "5", "--eos-after", "30"]
+    engine = subprocess.Popen(argv + (["--interrupt-requests"] if interrupts else []),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while not _answers(f"{base}/v1/models"):
+            assert engine.poll() is None and time.monotonic() < deadline, "the scripted engine did not start"
+            time.sleep(0.1)
+        got = asyncio.run(overlap(Endpoint(base, f"{base}/v1", "scripted", None), "salt"))
+    finally:
+        engine.terminate()
+        engine.wait(10)
+    assert got["found"] == found, got
+    if interrupts:
+        assert "alone it gave 30, finish_reason 'stop'" in got["why"], got
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
