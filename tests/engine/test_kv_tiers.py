@@ -51,12 +51,12 @@ def block_bytes(llm: LLM) -> int:
 @pytest.mark.slow
 def test_evicted_blocks_come_back_from_host_then_file_with_greedy_output_unchanged(plain, tmp_path: Path) -> None:
     path = tmp_path / "kv.kvtier"
-    # Host memory for 2 blocks, spilling to the file. The 3 blocks the second prompt evicted come
-    # back from both tiers: each copy back takes a device block from SECOND's, whose eviction
-    # pushes host memory's oldest block down to the file.
-    llm = LLM("smollm2-135m", **SMALL, kv_host_tier_bytes=2 * 737_280, kv_file_tier_bytes=64 << 20,
+    # Host memory for 4 blocks, spilling to the file. The second prompt evicts 3 of FIRST's blocks
+    # to host memory; the replay takes 3 of SECOND's device blocks for them, whose eviction pushes
+    # host memory's oldest block (one of FIRST's) down to the file: they come back from both tiers.
+    llm = LLM("smollm2-135m", **SMALL, kv_host_tier_bytes=4 * 737_280, kv_file_tier_bytes=64 << 20,
               kv_file_tier_path=str(path), kv_tier_write_policy="on-evict")
-    assert llm.engine.tiers.host.capacity == 2 and block_bytes(llm) == 737_280
+    assert llm.engine.tiers.host.capacity == 4 and block_bytes(llm) == 737_280
     got = [llm.generate(p, GREEDY)[0] for p in (FIRST, SECOND, FIRST)]
     assert [c.token_ids for c in got] == plain
     assert got[2].num_cached_tokens == FULL * 16
@@ -131,7 +131,9 @@ def test_a_restarted_server_serves_the_prompt_from_the_file_and_reports_it(tmp_p
     assert tier["entries_added"] >= FULL and tier["cold"] is False
     assert not stats["cold"] and not any(c["cache"] == "kv-file-tier" for c in stats["caches_built"])
     assert stats["prefix_cache"]["hits_by_tier"]["file"] == {"blocks": FULL, "tokens": FULL * 16}
-    assert stats["prefix_cache"]["tiers"]["file"]["blocks_found_at_start"] == FULL
+    file = stats["prefix_cache"]["tiers"]["file"]
+    assert file["blocks_found_at_start"] == FULL and file["blocks_dropped"] == 0
+    assert file["staging_blocks"] == (64 << 20) // 737_280  # the default: the tier's size, at most 2 GiB
     labels = '{engine="0",model_name="smollm2-135m"}'
     assert f"vllm:external_prefix_cache_hits_total{labels} 96.0" in metrics
     assert f"vllm:external_prefix_cache_queries_total{labels} 100.0" in metrics  # the device held none of it
@@ -139,7 +141,7 @@ def test_a_restarted_server_serves_the_prompt_from_the_file_and_reports_it(tmp_p
 
 
 def test_tier_knobs_refuse_what_cannot_work() -> None:
-    with pytest.raises(ConfigError, match="--kv-file-tier-path is set but --kv-file-tier-bytes is 0"):
+    with pytest.raises(ConfigError, match="are set but --kv-file-tier-bytes is 0"):
         from_sources({"kv-file-tier-path": "/tmp/x"})
     with pytest.raises(ConfigError, match="need --enable-prefix-caching true"):
         from_sources({"kv-host-tier-bytes": 1 << 20, "enable-prefix-caching": False})
@@ -188,7 +190,7 @@ def test_file_round_trip_and_lru_reuse_of_records(tmp_path: Path) -> None:
 
 def test_writes_leave_the_step_loop_but_a_read_never_sees_a_half_written_block(tmp_path: Path) -> None:
     t = tier(tmp_path / "t.kvtier", capacity=16)
-    made = blocks(12)  # more than the writer's buffers: puts wait for a free one, none is dropped
+    made = blocks(12)  # fewer than the staging buffers: none is dropped
     for h, tokens, data in made:
         t.put(h, tokens, data)
         data.fill_(-1.0)  # the caller reuses its block at once (a device block evicted, say)
@@ -198,6 +200,61 @@ def test_writes_leave_the_step_loop_but_a_read_never_sees_a_half_written_block(t
     t.close()
     assert t.blocks_written == t.blocks_queued == 12
     assert len(tier(tmp_path / "t.kvtier", capacity=16)) == 12
+
+
+def test_a_run_is_read_in_sequential_spans_in_the_order_asked(tmp_path: Path) -> None:
+    made = blocks(10)
+    t = tier(tmp_path / "t.kvtier", capacity=16)
+    for h, tokens, data in made[5:] + made[:5]:  # slots: blocks 5-9 in 0-4, blocks 0-4 in 5-9
+        t.put(h, tokens, data)
+    t.close()
+    reader = tier(tmp_path / "t.kvtier", capacity=16)
+    reader.span_blocks = 3  # spans of 3, 2 (the slots jump), 3, 2
+    keys = [(h, tokens) for h, tokens, _ in made]
+    spans = [[(i, block.clone()) for i, block in span] for span in reader.read_run(keys)]
+    assert [[i for i, _ in span] for span in spans] == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]
+    assert all(torch.equal(block, made[i][2]) for span in spans for i, block in span)
+    # A run stops at the first block the file does not hold.
+    absent = (chain_hash(None, (7, 7, 7, 7)), (7, 7, 7, 7))
+    got = [i for span in reader.read_run(keys[:2] + [absent] + keys[3:]) for i, _ in span]
+    assert got == [0, 1]
+
+
+def test_a_damaged_block_mid_run_ends_the_run_after_the_good_ones_and_empties_the_file(tmp_path: Path,
+                                                                                       caplog) -> None:
+    path = tmp_path / "t.kvtier"
+    made = blocks(6)
+    t = tier(path, capacity=8)
+    for h, tokens, data in made:
+        t.put(h, tokens, data)
+    t.close()
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 3 * t.record + t.record - 1] ^= 1  # the last K/V byte of block 3
+    path.write_bytes(bytes(raw))
+    caplog.set_level(logging.WARNING, logger="lab.engine.kv.file_tier")
+    reader = tier(path, capacity=8)
+    got = [(i, block.clone()) for span in reader.read_run([(h, tk) for h, tk, _ in made]) for i, block in span]
+    assert [i for i, _ in got] == [0, 1, 2] and all(torch.equal(b, made[i][2]) for i, b in got)
+    assert len(caplog.records) == 1 and "fails its checksum" in caplog.records[0].message
+    assert len(reader) == 0 and path.stat().st_size == HEADER_BYTES
+
+
+def test_a_block_arriving_while_every_staging_buffer_waits_for_the_disk_is_dropped(tmp_path: Path) -> None:
+    t = tier(tmp_path / "t.kvtier", capacity=16)
+    t.staging_blocks = 2
+    made = blocks(6)
+    # The writer thread counts a block once its record is written, under this lock: holding it
+    # stalls the writer after its first record, as a disk that cannot keep up would, while every
+    # put returns at once.
+    with t._count_lock:
+        for h, tokens, data in made:
+            t.put(h, tokens, data)
+        assert t.blocks_queued == 2 and t.blocks_dropped == 4
+    t.close()
+    assert t.blocks_written == 2
+    # A dropped block is simply not in the tier; the two staged ones are.
+    assert [t.get(h, tk) is not None for h, tk, _ in made] == [True, True, False, False, False, False]
+    assert torch.equal(tier(tmp_path / "t.kvtier", capacity=16).get(*made[1][:2]), made[1][2])
 
 
 @pytest.mark.parametrize("damage, why", [

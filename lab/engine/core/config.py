@@ -59,6 +59,10 @@ class EngineConfig:
                                     "restarted engine with the same model and config hash reads back (0 = off)")
     kv_file_tier_path: str = _knob("", "the file tier's file (empty = <LAB_CACHE_DIR or ~/.cache/lab>/kv-tiers/"
                                    "<config hash>.kvtier)")
+    kv_file_tier_staging_bytes: int = _knob(0, "host memory for blocks waiting to be written to the file tier "
+                                            "(pinned on CUDA, allocated as needed); a block arriving when it is "
+                                            "full is dropped rather than wait for the disk (0 = the file tier's "
+                                            "size, at most 2 GiB)", hashed_at_default=False)
     kv_tier_write_policy: str = _knob("write-through", "when blocks reach the tiers: write-through = as soon as a "
                                       "prefix-cache block is full (a restart finds everything), on-evict = when "
                                       "the tier above evicts it", ("write-through", "on-evict"))
@@ -190,7 +194,7 @@ def validate(cfg: EngineConfig) -> None:
             raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
     non_negative = ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "long_prefill_token_threshold",
                     "max_parallel_prefills", "lone_prefill_tokens", "max_waiting", "kv_host_tier_bytes",
-                    "kv_file_tier_bytes", "cpu_threads")
+                    "kv_file_tier_bytes", "kv_file_tier_staging_bytes", "cpu_threads")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")
@@ -204,8 +208,9 @@ def validate(cfg: EngineConfig) -> None:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
     if (cfg.kv_host_tier_bytes or cfg.kv_file_tier_bytes) and not cfg.enable_prefix_caching:
         raise ConfigError("--kv-host-tier-bytes / --kv-file-tier-bytes need --enable-prefix-caching true")
-    if cfg.kv_file_tier_path and not cfg.kv_file_tier_bytes:
-        raise ConfigError("--kv-file-tier-path is set but --kv-file-tier-bytes is 0 (the file tier is off)")
+    if (cfg.kv_file_tier_path or cfg.kv_file_tier_staging_bytes) and not cfg.kv_file_tier_bytes:
+        raise ConfigError("--kv-file-tier-path / --kv-file-tier-staging-bytes are set but --kv-file-tier-bytes is 0 "
+                          "(the file tier is off)")
     if cfg.prompt_lookup_max < cfg.prompt_lookup_min:
         raise ConfigError(f"--prompt-lookup-max ({cfg.prompt_lookup_max}) must be >= --prompt-lookup-min "
                           f"({cfg.prompt_lookup_min})")

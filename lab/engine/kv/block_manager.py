@@ -8,6 +8,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from lab.engine.core.sequence import Sequence
@@ -70,48 +71,60 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold a prefix of the sequence's tokens. At least one token is always
-        left to compute, since its logits are needed to sample."""
+        left to compute, since its logits are needed to sample. Blocks a lower tier holds are
+        copied back into free device blocks, the whole run at once."""
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
-        found: list[int] = []
-        kept: set[int] = set()  # `found` as a set: a 1M-token resume looks up 65K blocks
+        found: list[int | None] = []  # None: held by a lower tier, copied back below
+        below: list[tuple[int, tuple[int, ...]]] = []
+        kept: set[int] = set()  # the device hits as a set: a 1M-token resume looks up 65K blocks
         parent: int | None = None
         for i in range(usable):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].tokens != tokens:
-                block_id = self._copy_back(h, tokens, kept) if self.tiers is not None else None
-                if block_id is None:
-                    break
+            if block_id is not None and self.blocks[block_id].tokens == tokens:
+                kept.add(block_id)
+            elif self.tiers is not None and self.tiers.find(h, tokens) is not None:
+                block_id = None
+                below.append((h, tokens))
+            else:
+                break
             found.append(block_id)
-            kept.add(block_id)
             parent = h
-        return found
+        if not below:
+            return found  # type: ignore[return-value]
+        loaded = iter(self._copy_back(below, kept))
+        hits = []
+        for block_id in found:
+            block_id = block_id if block_id is not None else next(loaded, None)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
 
-    def _copy_back(self, h: int, tokens: tuple[int, ...], keep: set[int]) -> int | None:
-        """Copy a block a lower tier holds into a free device block and cache it there, unused
-        (it joins the free list's recent end, as a freed cached block does). The blocks in `keep`
-        (this lookup's hits so far) are never the ones reused."""
+    def _copy_back(self, keys: list[tuple[int, tuple[int, ...]]], keep: set[int]) -> list[int]:
+        """Copy blocks lower tiers hold into free device blocks and cache them there, unused (they
+        join the free list's recent end, as a freed cached block does); returns the device blocks
+        of the run copied, which stops at the first block no tier could give. The blocks in `keep`
+        (this lookup's device hits) are never the ones reused."""
         assert self.tiers is not None
-        if self.tiers.find(h, tokens) is None:
-            return None
-        block_id = next((b for b in self.free if b not in keep), None)
-        if block_id is None:
-            return None
-        del self.free[block_id]
-        block = self.blocks[block_id]
-        if block.hash is not None:
-            self._forget(block)
-        origin = self.tiers.load(h, tokens, block_id)
-        self.free[block_id] = None
-        if origin is None:
-            return None
-        block.hash, block.tokens, block.origin = h, tokens, origin
-        self.hash_to_block[h] = block_id
-        self.num_cached_free += 1
-        return block_id
+        block_ids = list(islice((b for b in self.free if b not in keep), len(keys)))
+        for block_id in block_ids:
+            del self.free[block_id]
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                self._forget(block)
+        origins = self.tiers.load_run(keys[:len(block_ids)], block_ids)
+        for block_id, (h, tokens), origin in zip(block_ids, keys, origins):
+            block = self.blocks[block_id]
+            block.hash, block.tokens, block.origin = h, tokens, origin
+            self.hash_to_block[h] = block_id
+            self.num_cached_free += 1
+        for block_id in block_ids:
+            self.free[block_id] = None
+        return block_ids[:len(origins)]
 
     def record_lookup(self, seq: Sequence, hit_blocks: int) -> None:
         if not self.enable_prefix_caching:

@@ -3,15 +3,25 @@ with the same model and config reads back.
 
 Layout: a header of HEADER_BYTES (magic, format version, the identity as JSON with its CRC32), then
 fixed-size records, one per block: block hash (u64), XXH3-64 of hash + tokens + data (u64), the
-block's tokens (int32 each) and its K/V bytes. A block read goes through one reusable host buffer,
-a block written through one of WRITE_BUFFERS, all pinned when the KV cache is on a GPU, so a block
-moves between the file and the device without an extra host copy; the checksum is XXH3 because
-verifying a resumed 100K-token history (12 GiB of Llama-3-8B KV) with CRC32 alone costs seconds.
-Writes run on a writer thread, off the step loop: `put` stages the block and returns, `get` of a
-block still queued waits for its write, and `flush`/`close` return once every queued block is in
-the file (or a failed write has turned the tier off). The identity names the model and its source
-hash, the engine's config hash, the block size, the KV dtype and the block's shape, so a file
-written by another model, config or format is never read.
+block's tokens (int32 each) and its K/V bytes. The identity names the model and its source hash,
+the engine's config hash, the block size, the KV dtype and the block's shape, so a file written by
+another model, config or format is never read.
+
+Reads: a prefix lookup reads its whole run of blocks at once (`read_run`). Records whose slots
+follow each other are read by one sequential read of up to READ_SPAN_BYTES into one of three host
+buffers (pinned when the KV cache is on a GPU, so the device copies straight from them), and
+READERS threads read and verify the next spans while the caller copies this one out: a resume
+keeps the disk busy and the step loop only copies, rather than reading, checking and copying one
+block at a time. The checksum is XXH3 because verifying a resumed 100K-token history (12 GiB of Llama-3-8B KV) with
+CRC32 alone costs seconds.
+
+Writes never wait for the disk: `put` copies the block into a staging buffer (of a pool of
+`staging_bytes`, pinned on a GPU, the device copy asynchronous) and a writer thread checksums and
+writes it. When every staging buffer is still waiting for the disk the block is dropped (it is
+simply not in the tier, `blocks_dropped` counts it), so a disk slower than serving costs cache
+hits, never step time. `read_run` of a block still queued waits for its write, and
+`flush`/`close` return once every queued block is in the file (or a failed write has turned the
+tier off).
 
 Nothing here may put wrong K/V into the cache or stop the engine:
 - a file that is not a tier file (no magic) is left untouched and the engine runs without the
@@ -33,6 +43,8 @@ import queue
 import struct
 import threading
 import zlib
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +63,14 @@ _HEADER = struct.Struct("<II")  # format version, identity JSON length; then the
 _RECORD = struct.Struct("<QQ")  # block hash, XXH3-64
 
 
-# Blocks staged for the writer thread at once; a put waits for a free buffer beyond that, so a
-# disk slower than the device bounds the memory held and slows the step, never drops a block.
-WRITE_BUFFERS = 8
+# The largest single read of a run: large enough that a read costs the disk's bandwidth rather
+# than its latency, small enough that READ_BUFFERS of them (pinned, on a GPU) are cheap to keep.
+READ_SPAN_BYTES = 16 << 20
+# Spans in flight: READERS threads each read and verify one while the caller copies another out,
+# so the disk always has a read queued while a span is checksummed.
+READ_BUFFERS, READERS = 3, 2
+
+Key = tuple[int, tuple[int, ...]]  # a block's chained hash and its tokens
 
 
 def record_bytes(block_size: int, block_bytes: int) -> int:
@@ -69,7 +86,7 @@ def _checksum(h: int, tokens: Any, data: Any) -> int:
 
 class FileTier:
     def __init__(self, path: Path, identity: dict[str, Any], capacity_blocks: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, pinned: bool = False) -> None:
+                 dtype: torch.dtype, pinned: bool = False, staging_bytes: int = 64 << 20) -> None:
         self.path = path
         self.identity = identity
         self.capacity = capacity_blocks
@@ -78,11 +95,17 @@ class FileTier:
         self.block_size = identity["block_size"]
         self.block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
         self.record = record_bytes(self.block_size, self.block_bytes)
-        # Pinned memory lets the device copy a block straight from the buffer the file was read into,
-        # and into the buffers the writer thread writes from.
-        self._buffer = torch.empty(self.record, dtype=torch.uint8, pin_memory=pinned)
         self._data_at = _RECORD.size + 4 * self.block_size
+        # Pinned memory lets the device copy blocks straight from the buffers the file was read
+        # into, and into the buffers the writer thread writes from.
         self._pinned = pinned
+        self.span_blocks = max(1, min(capacity_blocks, READ_SPAN_BYTES // self.record))
+        # Touched now: a resume after a restart is the tier's first read, and faulting in fresh
+        # pages as the disk fills them would halve its rate.
+        self._read_buffers = [torch.zeros(self.span_blocks * self.record, dtype=torch.uint8, pin_memory=pinned)
+                              for _ in range(READ_BUFFERS)]
+        self._reader: ThreadPoolExecutor | None = None
+        self.staging_blocks = max(1, staging_bytes // self.block_bytes)
         self._free_buffers: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._buffers_made = 0
         self._writes: queue.Queue = queue.Queue()
@@ -96,6 +119,7 @@ class FileTier:
         self.blocks_found = 0  # valid blocks found at open, written by an earlier engine
         self.blocks_written = 0  # blocks this engine wrote (the writer thread counts them)
         self.blocks_queued = 0  # blocks this engine handed to the writer
+        self.blocks_dropped = 0  # blocks not written because every staging buffer was waiting for the disk
         self.disabled: str | None = None  # why the file tier is off
         self.fd: int | None = None
         self._open()
@@ -198,45 +222,122 @@ class FileTier:
 
     def get(self, h: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
         """The block's K/V on the host, verified; None when absent or damaged. The tensor is a view
-        of the tier's read buffer: valid until the next `get`, so copy it out first."""
+        of a read buffer: valid until the next read, so copy it out first."""
+        for span in self.read_run([(h, tokens)]):
+            return span[0][1]
+        return None
+
+    def read_run(self, keys: Sequence[Key]) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """The K/V of `keys`' blocks in order, verified, one span at a time: each span is a list of
+        (position in `keys`, view of that block's K/V in a read buffer), valid until the next span
+        is asked for. Stops at the first block absent or damaged (a damaged one empties the file,
+        with one warning)."""
         self._surface_write_error()
-        slot = self.index.slot(h, tokens)
-        if slot is None:
-            return None
-        written = self._pending.pop(h, None)
-        if written is not None:
-            written.wait()  # queued for the writer: its record is not in the file yet
-            self._surface_write_error()
-            if not self.enabled:
-                return None
-        raw = memoryview(self._buffer.numpy())
+        slots = []
+        for h, tokens in keys:
+            slot = self.index.slot(h, tokens)
+            if slot is None:
+                break
+            slots.append(slot)
+        for h, _ in keys[:len(slots)]:
+            written = self._pending.pop(h, None)
+            if written is not None:
+                written.wait()  # queued for the writer: its record is not in the file yet
+        self._surface_write_error()
+        if not slots or not self.enabled:
+            return
+        spans = self._spans(slots)
+        reads: list[Future[int | None]] = [self._read(spans[k], k, keys) for k in range(min(READ_BUFFERS, len(spans)))]
+        problem = None
         try:
-            got = os.preadv(self.fd, [raw], HEADER_BYTES + slot * self.record)
+            for k, (first, _, count) in enumerate(spans):
+                try:
+                    bad = reads[k].result()
+                except OSError as exc:
+                    problem = f"cannot be read ({exc})"
+                    return
+                buffer = self._read_buffers[k % READ_BUFFERS]
+                good = count if bad is None else bad
+                blocks = []
+                for i in range(good):
+                    self.index.move_to_end(keys[first + i][0])
+                    at = i * self.record
+                    blocks.append((first + i, buffer[at + self._data_at:at + self.record]
+                                   .view(self.dtype).view(self.block_shape)))
+                if blocks:
+                    yield blocks
+                if bad is not None:
+                    problem = f"block {keys[first + bad][0]:016x} fails its checksum"
+                    return
+                if k + READ_BUFFERS < len(spans):  # the caller is done with this buffer: read ahead into it
+                    reads.append(self._read(spans[k + READ_BUFFERS], k + READ_BUFFERS, keys))
+        finally:
+            for read in reads:  # no read may still be filling a buffer or using the descriptor
+                read.exception()
+            if problem and "checksum" in problem:
+                log.warning("KV file tier %s: %s; ignoring the file's blocks and starting an empty file",
+                            self.path, problem)
+                self._reset_after_damage()
+            elif problem:
+                self._disable(problem)
+
+    def _spans(self, slots: list[int]) -> list[tuple[int, int, int]]:
+        """(first position, first slot, count) of each run of consecutive slots, at most
+        span_blocks long."""
+        spans: list[tuple[int, int, int]] = []
+        for i, slot in enumerate(slots):
+            if spans and slot == slots[i - 1] + 1 and spans[-1][2] < self.span_blocks:
+                first, first_slot, count = spans[-1]
+                spans[-1] = (first, first_slot, count + 1)
+            else:
+                spans.append((i, slot, 1))
+        return spans
+
+    def _read(self, span: tuple[int, int, int], k: int, keys: Sequence[Key]) -> Future[int | None]:
+        """Read a span's records into read buffer k % READ_BUFFERS and verify them, on a reader thread (both
+        the read and the checksum leave the GIL to the step loop): the position within the span of
+        the first record that is short or fails its checksum, or None."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-file-tier-reader")
+        assert self.fd is not None
+        first, slot, count = span
+        raw = memoryview(self._read_buffers[k % READ_BUFFERS].numpy())[:count * self.record]
+        fd = self.fd
+
+        def read() -> int | None:
+            got = os.preadv(fd, [raw], HEADER_BYTES + slot * self.record)
+            for i in range(count):
+                at = i * self.record
+                if at + self.record > got or not self._verify(raw[at:at + self.record], *keys[first + i]):
+                    return i
+            return None
+
+        return self._reader.submit(read)
+
+    def _verify(self, raw: memoryview, h: int, tokens: tuple[int, ...]) -> bool:
+        stored_h, checksum = _RECORD.unpack_from(raw)
+        tok, data = raw[_RECORD.size:self._data_at], raw[self._data_at:]
+        return (stored_h == h and tok.tobytes() == np.asarray(tokens, dtype="<i4").tobytes()
+                and _checksum(h, tok, data) == checksum)
+
+    def _reset_after_damage(self) -> None:
+        try:
+            self._start_empty()
         except OSError as exc:
-            self._disable(f"cannot be read ({exc})")
-            return None
-        tok = raw[_RECORD.size:self._data_at]
-        data = raw[self._data_at:]
-        stored_h, checksum = _RECORD.unpack_from(raw) if got == self.record else (None, None)
-        if (stored_h != h or tok.tobytes() != np.asarray(tokens, dtype="<i4").tobytes()
-                or _checksum(h, tok, data) != checksum):
-            log.warning("KV file tier %s: block %016x fails its checksum; ignoring the file's blocks and "
-                        "starting an empty file", self.path, h)
-            try:
-                self._start_empty()
-            except OSError as exc:
-                self._disable(f"cannot be rewritten ({exc})")
-            return None
-        self.index.move_to_end(h)
-        return self._buffer[self._data_at:].view(self.dtype).view(self.block_shape)
+            self._disable(f"cannot be rewritten ({exc})")
 
     def put(self, h: int, tokens: tuple[int, ...], block: torch.Tensor) -> None:
         """Stage the block's K/V in a host buffer (the caller may reuse `block` on return) and queue
-        its record for the writer thread, which checksums and writes it off the step loop."""
+        its record for the writer thread, which checksums and writes it off the step loop. With
+        every staging buffer still waiting for the disk, the block is dropped instead."""
         self._surface_write_error()
         if not self.enabled or h in self.index:
             if self.enabled:
                 self.index.move_to_end(h)
+            return
+        staged = self._take_buffer()
+        if staged is None:
+            self.blocks_dropped += 1
             return
         if self.free:
             slot = self.free.pop()
@@ -244,15 +345,20 @@ class FileTier:
             slot = self.num_slots
         else:
             _, (slot, _) = self.index.popitem(last=False)
-        staged = self._take_buffer()
-        staged.view(self.dtype).view(self.block_shape).copy_(block.detach())
-        if len(self._pending) > 4 * WRITE_BUFFERS:
+        # From a GPU the copy is queued on the stream behind the kernels that wrote the block; the
+        # writer thread waits for it, not the step loop.
+        staged.view(self.dtype).view(self.block_shape).copy_(block.detach(), non_blocking=block.is_cuda)
+        copied = None
+        if block.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        if len(self._pending) > 4 * self.staging_blocks:
             self._pending = {k: e for k, e in self._pending.items() if not e.is_set()}
         written = self._pending[h] = threading.Event()
         self.num_slots = max(self.num_slots, slot + 1)
         self.index[h] = (slot, tokens)
         self.blocks_queued += 1
-        self._writes.put((h, np.asarray(tokens, dtype="<i4").tobytes(), slot, staged, written))
+        self._writes.put((h, np.asarray(tokens, dtype="<i4").tobytes(), slot, staged, copied, written))
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-file-tier-writer", daemon=True)
             self._writer.start()
@@ -269,6 +375,9 @@ class FileTier:
             self._writes.put(None)
             self._writer.join()
             self._writer = None
+        if self._reader is not None:
+            self._reader.shutdown()
+            self._reader = None
 
     def clear(self) -> None:
         self._drain()
@@ -281,19 +390,23 @@ class FileTier:
 
     # -- the writer thread -------------------------------------------------------------------
 
-    def _take_buffer(self) -> torch.Tensor:
+    def _take_buffer(self) -> torch.Tensor | None:
+        """A free staging buffer, made while fewer than staging_blocks exist; None when all are
+        waiting for the disk."""
         try:
             return self._free_buffers.get_nowait()
         except queue.Empty:
-            if self._buffers_made < WRITE_BUFFERS:
+            if self._buffers_made < self.staging_blocks:
                 self._buffers_made += 1
                 return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self._pinned)
-            return self._free_buffers.get()
+            return None
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
-            h, tok, slot, staged, written = item
+            h, tok, slot, staged, copied, written = item
             try:
+                if copied is not None:
+                    copied.synchronize()
                 if self._write_error is None:
                     data = staged.numpy()
                     wrote = os.pwritev(self.fd, [_RECORD.pack(h, _checksum(h, tok, data)), tok, data],
