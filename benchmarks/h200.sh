@@ -13,6 +13,8 @@
 #   calibrate:NAME   `lab calibrate ladders/NAME.yaml --boots 3` into the same store (run it before ladder:NAME)
 #   kernels          the kernels' micro-benchmarks (benchmarks/kernels/)
 #   cpu              `lab engine bench --device cpu` of SmolLM2's shape on two of the host's cores
+#   tier-io          the KV file tier against the host's page-cache, disk and pinned-copy ceilings:
+#                    benchmarks/file_tier_io.py, 12.2 GiB of Llama-3-8B blocks (a 100K-token history)
 #   overload         the bundled server (dummy:llama3-8b, a 64K-token KV pool, --max-waiting 16) under
 #                    benchmarks/overload.py: 40 prompts of 8K tokens, then 8 streams once the queue is full
 #
@@ -70,6 +72,7 @@ run_stage() {
              timeout 90 python3 benchmarks/kernels/bench_kernels.py ;;
     cpu) OMP_NUM_THREADS=2 timeout 200 taskset -c 0,1 python3 -m lab.engine bench --device cpu \
            --model dummy:smollm2-135m --prefill-lengths 512 --repeats 2 --served --json "$OUT/bench_cpu.json" ;;
+    tier-io) timeout 300 python3 benchmarks/file_tier_io.py --blocks 6250 --dir /tmp ;;
     overload) python3 -m lab.engine serve --model dummy:llama3-8b --dtype bfloat16 --max-model-len 16384 \
              --kv-cache-memory-bytes 8589934592 --max-num-seqs 64 --max-waiting 16 --port 8123 \
              > "$OUT/overload-server.txt" 2>&1 &
@@ -87,6 +90,6 @@ for stage in "$@"; do
   run_stage "$stage" > "$log" 2>&1
   echo "$stage exit $?" >> "$OUT/env.txt"
   echo "== $stage"
-  grep -E "figure:|passed|failed|Error|exit|KEEP|keep|reject|inconclusive" "$log" | grep -vi warn | tail -30 | cut -c 1-220
+  grep -E "figure:|ceiling|tier |passed|failed|Error|exit|KEEP|keep|reject|inconclusive" "$log" | grep -vi warn | tail -30 | cut -c 1-220
 done
 cat "$OUT/env.txt"
