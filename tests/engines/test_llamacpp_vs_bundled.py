@@ -1,9 +1,14 @@
 """ladders/llamacpp-vs-bundled.yaml as shipped: the bundled engine's controls bracket llama.cpp's
 server (an engine arm) on the same GGUF; both are sent the same prompt texts, each stores its own
-count of them, and the arm is judged against the controls."""
+count of them, the arm is judged against the controls, and the report and `lab compare` put the
+two engines side by side."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from sqlalchemy import select
@@ -47,3 +52,21 @@ def test_llamacpp_as_an_engine_arm_of_the_bundled_engine(tmp_path: Path, llamacp
             assert [v.arm_id for v in verdicts] == [arm_row.id]
     finally:
         store.close()
+
+    def lab(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "lab", *args, "--db", str(tmp_path / "lab.db")], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250"}, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    lab("report", "versus", "--out", str(tmp_path / "reports"))
+    side = (tmp_path / "reports" / "versus" / "index.md").read_text().split("## Engines side by side")[1]
+    assert "| B0ctl (bundled:" in side and "| L1llamacpp (command:llama_cpp.server) |" in side
+    for metric in ("prefill.prefill_tok_s_median", "decode.agg_tok_s"):
+        assert any(line.startswith(f"| {metric} |") for line in side.splitlines()), metric
+    compared = json.loads(lab("compare", "versus:B0ctl", "versus:L1llamacpp", "--json"))
+    rows = {row["metric"]: row for row in compared["rows"]}
+    for metric in ("prefill.prefill_tok_s_median[length=1024]", "decode.agg_tok_s[level=1]"):
+        assert rows[metric]["a"] > 0 and rows[metric]["b"] > 0 and rows[metric]["delta_pct"] is not None, rows
+    assert compared["verdicts"]["L1llamacpp"]["decision"] in ("keep", "reject", "inconclusive")
