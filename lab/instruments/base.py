@@ -82,6 +82,10 @@ class BootContext:
     engine: EngineControl | None = None
     # The ladder's `engine.request_timeout_s`: how long to wait for the next bytes of any answer.
     request_timeout_s: float = 600.0
+    # In a window with an engine arm: the control boot whose prompt texts this arm boot is sent as
+    # they were (`lab.instruments.shared_prompts`), so every engine gets the same requests; None
+    # where each boot sizes its own.
+    prompts_of: int | None = None
 
 
 class Instrument(Protocol):

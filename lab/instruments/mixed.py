@@ -23,9 +23,10 @@ from lab.instruments.base import Better, BootContext
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
-from lab.instruments.prompts import PromptTooShort, chat_messages, filler_words, fit_prompt, request_salt, salt_line
+from lab.instruments.prompts import PromptTooShort, chat_messages, filler_words, request_salt, salt_line
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import failure, prefill_problem
+from lab.instruments.shared_prompts import window_prompt
 from lab.instruments.token_count import count_missing_usage, sized_note
 from lab.store.records import Cell, Step, StepResult
 
@@ -100,9 +101,9 @@ class MixedInstrument:
                 salt = request_salt(ctx.salt, self.name, rep, "long")
                 words = filler_words(salt, params.long_tokens)
                 try:
-                    long_prompt = await fit_prompt(extras, params.long_tokens,
-                                                   lambda k, tail: f"{salt_line(salt)} {' '.join(words[:k])}{tail}",
-                                                   len(words))
+                    long_prompt, shared = await window_prompt(
+                        ctx, extras, self.name, salt, params.long_tokens,
+                        lambda k, tail: f"{salt_line(salt)} {' '.join(words[:k])}{tail}", len(words))
                 except PromptTooShort as exc:
                     why_long = str(exc)
             if long_prompt is None:
@@ -114,10 +115,10 @@ class MixedInstrument:
             long, behind = await client.run_all([long_request, short("behind")], 2, offsets_s=[0.0, params.delay_s])
             await count_missing_usage(extras, ctx.capabilities, [long, behind])
         result.receipts += [long, behind]
-        why_long = prefill_problem(long, params.long_tokens if long_prompt.exact else None)
+        why_long = prefill_problem(long, long_prompt.tokens if long_prompt.exact else None)
         cell("long_prefill_s", _s(long.ttft_ns), [1], why_long,
-             note="; ".join(part for part in (f"{long.prompt_tokens} prompt tokens", counted or sized_note(extras))
-                            if part))
+             note="; ".join(part for part in (f"{long.prompt_tokens} prompt tokens", counted or sized_note(extras),
+                                              shared) if part))
         why_behind = failure(behind) or _not_behind(long, behind) or (
             f"the long prompt is not a cold prefill: {why_long}" if why_long else None)
         note = "; ".join(part for part in (counted, "" if alone.completion_tokens == behind.completion_tokens else (

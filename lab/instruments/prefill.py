@@ -31,9 +31,10 @@ from lab.instruments.capabilities import eos_ban_bias, eos_ban_note
 from lab.instruments.client import StreamingClient
 from lab.instruments.engine_extras import EngineExtras
 from lab.instruments.presets import PresetParams
-from lab.instruments.prompts import PromptTooShort, filler_words, fit_prompt, request_salt, salt_line
+from lab.instruments.prompts import PromptTooShort, filler_words, request_salt, salt_line
 from lab.instruments.receipt import Receipt
 from lab.instruments.receipt_checks import cache_note, prefill_problem, prefill_tok_s
+from lab.instruments.shared_prompts import window_prompt
 from lab.instruments.token_count import count_missing_usage, sized_note
 from lab.store.records import Cell, Step, StepResult
 
@@ -146,10 +147,10 @@ class PrefillInstrument:
             return f"{salt_line(salt)} {' '.join(words[:k])}{tail}"
 
         try:
-            fitted = await fit_prompt(extras, length, render, len(words))
+            fitted, shared = await window_prompt(ctx, extras, self.name, salt, length, render, len(words))
         except PromptTooShort as exc:
             return invalid(str(exc), [])
-        if fitted.exact and fitted.tokens != length:
+        if fitted.exact and fitted.tokens != length and not shared:
             return invalid(f"no prompt of exactly {length} tokens was found (closest: {fitted.tokens})", [])
         await extras.reset_prefix_cache()
         body: dict[str, Any] = {"model": ctx.model, "prompt": fitted.form, "max_tokens": 1 + tail, "temperature": 0}
@@ -164,11 +165,11 @@ class PrefillInstrument:
             return None
         index = len(result.receipts) - 1
         counted = await count_missing_usage(extras, ctx.capabilities, [receipt])
-        problem = prefill_problem(receipt, length if fitted.exact else None)
+        problem = prefill_problem(receipt, fitted.tokens if fitted.exact else None)
         if problem is not None:
             return invalid(problem, [index])
         sized = sized_note(extras) if not counted else ""
-        note = "; ".join(part for part in (cache_note(receipt), counted, sized) if part)
+        note = "; ".join(part for part in (cache_note(receipt), counted, sized, shared) if part)
         if not fitted.exact:
             note += "; no tokenizer endpoint, so the length is an estimate"
         rate = prefill_tok_s(receipt)

