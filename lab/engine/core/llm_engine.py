@@ -115,8 +115,8 @@ class LLMEngine:
                                   f"{n + params.max_tokens} exceeds this model's context of "
                                   f"{self.max_model_len} tokens", param="max_tokens")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:  # in C: the prompt is checked twice
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
             raise BadRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
