@@ -22,12 +22,22 @@ def test_cpu_read_ceiling_gives_copy_read_and_product_bandwidth() -> None:
         assert mib > 0 and ms > 0 and rate > 0 and share > 0, line
 
 
-def test_file_tier_io_writes_and_reads_the_blocks_and_leaves_nothing_behind(tmp_path: Path) -> None:
+def test_file_tier_io_states_each_tier_figure_against_its_ceiling_and_leaves_nothing_behind(tmp_path: Path) -> None:
     text = run_script("file_tier_io.py", "--blocks", "8", "--dir", str(tmp_path))
-    assert text.startswith("8 blocks, ") and "read, verified and copied" in text
-    blocks, gb, returned_s, written_s, write_rate, read_rate = numbers(text)
-    assert blocks == 8 and gb > 0 and 0 < returned_s <= written_s and write_rate > 0 and read_rate > 0
-    assert list(tmp_path.iterdir()) == []
+    head, *lines = text.splitlines()
+    assert head.startswith("cpu 8 blocks, ")
+    ceilings = {line.split("ceiling ")[1].rsplit(None, 2)[0]: numbers(line)[-1] for line in lines if "ceiling " in line}
+    assert set(ceilings) == {"page-cache write", "page-cache read", "disk read"} and min(ceilings.values()) > 0
+    [puts] = [line for line in lines if "tier puts" in line]
+    returned_s, written_s, rate, share, dropped = numbers(puts)
+    assert 0 < returned_s <= written_s and rate > 0 and share > 0 and dropped == 0
+    assert puts.endswith("of the page-cache write; 0 dropped")
+    resumes = [line for line in lines if "tier resume" in line]
+    for line, ceiling in zip(resumes, ("page-cache read", "disk read")):
+        took, rate, share = numbers(line)
+        assert took > 0 and share == pytest.approx(rate / ceilings[ceiling], rel=0.05, abs=0.01)
+        assert line.endswith(f"of the {ceiling}")
+    assert len(resumes) == 2 and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
