@@ -3,12 +3,12 @@
 Ceilings, the best of two passes of sequential 64 MiB requests on a file in `--dir`: the page
 cache's write rate (no fsync, as the tier writes), its read rate (the file read again, with as many
 reads in flight as the tier keeps), the disk's read rate (the same, after `posix_fadvise(DONTNEED)`
-evicted the file from the page cache) and, on a GPU, a pinned host-to-device copy. Then the tier on a file of `--blocks` blocks of Llama-3-8B's shape (32 layers x K/V x 16
-tokens x 8 heads x 128, bf16: 2 MiB): `put` of every block (when the puts returned, when every
-block was in the file, how many were dropped), then a fresh `FileTier` on that file reads the whole
-run back as a prefix lookup does (`read_run`, each block copied into a KV pool block on the
-device), from the page cache and from the disk. Each tier figure is printed as a fraction of its
-ceiling.
+evicted the file from the page cache) and, on a GPU, a pinned host-to-device copy. Then the tier
+on a file of `--blocks` blocks of Llama-3-8B's shape (32 layers x K/V x 16 tokens x 8 heads x 128,
+bf16: 2 MiB): `put` of every block (when the puts returned, when every block was in the file, how
+many were dropped), then a fresh `FileTier` on that file reads the whole run back as a prefix
+lookup does (`read_run`, each block copied into a KV pool block on the device), from the page
+cache and from the disk. Each tier figure is printed as a fraction of its ceiling.
 
     PYTHONPATH=. python benchmarks/file_tier_io.py [--blocks 400] [--dir /tmp] [--device cpu|cuda]
 """
