@@ -3,12 +3,14 @@
 Ceilings, the best of two passes of sequential 64 MiB requests on a file in `--dir`: the page
 cache's write rate (no fsync, as the tier writes), its read rate (the file read again, with as many
 reads in flight as the tier keeps), the disk's read rate (the same, after `posix_fadvise(DONTNEED)`
-evicted the file from the page cache) and, on a GPU, a pinned host-to-device copy. Then the tier
+evicted the file from the page cache) and a copy from host memory (pinned, to the device, on a
+GPU). Then the tier
 on a file of `--blocks` blocks of Llama-3-8B's shape (32 layers x K/V x 16 tokens x 8 heads x 128,
 bf16: 2 MiB): `put` of every block (when the puts returned, when every block was in the file, how
 many were dropped), then a fresh `FileTier` on that file reads the whole run back as a prefix
 lookup does (`read_run`, each block copied into a KV pool block on the device), from the page
-cache and from the disk. Each tier figure is printed as a fraction of its ceiling.
+cache and from the disk; last, the host-memory tier holding the same blocks gives them back the
+same way. Each tier figure is printed as a fraction of its ceiling.
 
     PYTHONPATH=. python benchmarks/file_tier_io.py [--blocks 400] [--dir /tmp] [--device cpu|cuda]
 """
@@ -27,10 +29,14 @@ from pathlib import Path
 import torch
 
 from lab.engine.kv.file_tier import READERS, FileTier
+from lab.engine.kv.host_tier import HostTier
+from lab.engine.kv.kv_tiers import KVTiers
 
 SHAPE = (32, 2, 16, 8, 128)
 IDENTITY = {"model": "file-tier-io", "block_size": 16}
 CHUNK = 64 << 20
+# What bounds a resume from the host-memory tier on each device.
+MEMORY = {"cpu": "host memory copy", "cuda": "pinned host-to-device copy"}
 
 
 def timed(work: Callable[[], object]) -> float:
@@ -77,16 +83,16 @@ def ceilings(where: Path, size: int, device: torch.device) -> dict[str, float]:
     out["page-cache read"] = chunks * CHUNK / best(read)
     out["disk read"] = chunks * CHUNK / best(read, before=lambda: evict(path))
     path.unlink()
-    if device.type == "cuda":
-        host = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(CHUNK, dtype=torch.uint8, device=device)
+    source = torch.ones(CHUNK, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    target = torch.zeros(CHUNK, dtype=torch.uint8, device=device)
 
-        def copy() -> None:
-            for _ in range(chunks):
-                dev.copy_(host, non_blocking=True)
+    def copy() -> None:
+        for _ in range(chunks):
+            target.copy_(source, non_blocking=True)
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-        out["pinned host-to-device copy"] = chunks * CHUNK / best(copy)
+    out[MEMORY[device.type]] = chunks * CHUNK / best(copy)
     return out
 
 
@@ -121,23 +127,26 @@ def main() -> None:
               f"{bytes_ / written / 2**30:.2f} GiB/s, {bytes_ / written / ceiling['page-cache write']:.2f} of the "
               f"page-cache write; {writer.blocks_dropped} dropped")
         into = torch.zeros_like(pool)  # touched now: page faults are not the tier's
+        block_ids = list(range(args.blocks))
         for source, ceiling_name in (("page cache", "page-cache read"), ("disk", "disk read")):
             if source == "disk":
                 evict(path)
             reader = FileTier(path, IDENTITY, args.blocks, SHAPE, torch.bfloat16, pinned=pinned)
-
-            def resume() -> None:
-                for span in reader.read_run(keys):
-                    for i, block in span:
-                        into[:, :, i].copy_(block, non_blocking=True)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-
-            took = timed(resume)
+            tiers = KVTiers(into, "write-through", None, reader)
+            took = timed(lambda: tiers.load_run(keys, block_ids))
             reader.close()
             assert torch.equal(into, pool), "the tier read back other K/V than it wrote"
             print(f"  tier resume from the {source:10s} {took:.3f} s: {bytes_ / took / 2**30:.2f} GiB/s, "
                   f"{bytes_ / took / ceiling[ceiling_name]:.2f} of the {ceiling_name}")
+        host = HostTier(args.blocks, SHAPE, torch.bfloat16, pin=pinned)
+        for i, (h, tokens) in enumerate(keys):
+            host.put(h, tokens, pool[:, :, i])
+        into.zero_()
+        tiers = KVTiers(into, "write-through", host, None)
+        took = timed(lambda: tiers.load_run(keys, block_ids))
+        assert torch.equal(into, pool), "the host tier gave back other K/V than it kept"
+        print(f"  tier resume from host memory {took:.3f} s: {bytes_ / took / 2**30:.2f} GiB/s, "
+              f"{bytes_ / took / ceiling[MEMORY[device.type]]:.2f} of the {MEMORY[device.type]}")
     finally:
         shutil.rmtree(where)
 

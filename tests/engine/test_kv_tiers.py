@@ -133,7 +133,7 @@ def test_a_restarted_server_serves_the_prompt_from_the_file_and_reports_it(tmp_p
     assert stats["prefix_cache"]["hits_by_tier"]["file"] == {"blocks": FULL, "tokens": FULL * 16}
     file = stats["prefix_cache"]["tiers"]["file"]
     assert file["blocks_found_at_start"] == FULL and file["blocks_dropped"] == 0
-    assert file["staging_blocks"] == (64 << 20) // 737_280  # the default: the tier's size, at most 2 GiB
+    assert file["staging_blocks"] == (64 << 20) // 737_280  # the default: the tier's size, at most 256 MiB on a CPU
     labels = '{engine="0",model_name="smollm2-135m"}'
     assert f"vllm:external_prefix_cache_hits_total{labels} 96.0" in metrics
     assert f"vllm:external_prefix_cache_queries_total{labels} 100.0" in metrics  # the device held none of it
@@ -240,8 +240,9 @@ def test_a_damaged_block_mid_run_ends_the_run_after_the_good_ones_and_empties_th
 
 
 def test_a_block_arriving_while_every_staging_buffer_waits_for_the_disk_is_dropped(tmp_path: Path) -> None:
-    t = tier(tmp_path / "t.kvtier", capacity=16)
-    t.staging_blocks = 2
+    block_bytes = torch.empty(SHAPE).numel() * 4
+    t = FileTier(tmp_path / "t.kvtier", IDENTITY, 16, SHAPE, torch.float32, staging_bytes=2 * block_bytes)
+    assert t.staging_blocks == 2
     made = blocks(6)
     # The writer thread counts a block once its record is written, under this lock: holding it
     # stalls the writer after its first record, as a disk that cannot keep up would, while every

@@ -60,9 +60,10 @@ class EngineConfig:
     kv_file_tier_path: str = _knob("", "the file tier's file (empty = <LAB_CACHE_DIR or ~/.cache/lab>/kv-tiers/"
                                    "<config hash>.kvtier)")
     kv_file_tier_staging_bytes: int = _knob(0, "host memory for blocks waiting to be written to the file tier "
-                                            "(pinned on CUDA, allocated as needed); a block arriving when it is "
+                                            "(allocated at start, pinned on CUDA); a block arriving when it is "
                                             "full is dropped rather than wait for the disk (0 = the file tier's "
-                                            "size, at most 2 GiB)", hashed_at_default=False)
+                                            "size, at most 2 GiB on CUDA and 256 MiB on CPU)",
+                                            hashed_at_default=False)
     kv_tier_write_policy: str = _knob("write-through", "when blocks reach the tiers: write-through = as soon as a "
                                       "prefix-cache block is full (a restart finds everything), on-evict = when "
                                       "the tier above evicts it", ("write-through", "on-evict"))

@@ -9,18 +9,18 @@ another model, config or format is never read.
 
 Reads: a prefix lookup reads its whole run of blocks at once (`read_run`). Records whose slots
 follow each other are read by one sequential read of up to READ_SPAN_BYTES into one of three host
-buffers (pinned when the KV cache is on a GPU, so the device copies straight from them), and
-READERS threads read and verify the next spans while the caller copies this one out: a resume
-keeps the disk busy and the step loop only copies, rather than reading, checking and copying one
-block at a time. The checksum is XXH3 because verifying a resumed 100K-token history (12 GiB of Llama-3-8B KV) with
+buffers (pinned when the KV cache is on a GPU, so the device copies straight from them), and READERS
+threads read and verify the next spans while the caller copies this one out: a resume keeps the disk
+busy and the step loop only copies, rather than reading, checking and copying one block at a time.
+The checksum is XXH3 because verifying a resumed 100K-token history (12 GiB of Llama-3-8B KV) with
 CRC32 alone costs seconds.
 
 Writes never wait for the disk: `put` copies the block into a staging buffer (of a pool of
-`staging_bytes`, pinned on a GPU, the device copy asynchronous) and a writer thread checksums and
-writes it. When every staging buffer is still waiting for the disk the block is dropped (it is
-simply not in the tier, `blocks_dropped` counts it), so a disk slower than serving costs cache
-hits, never step time. `read_run` of a block still queued waits for its write, and
-`flush`/`close` return once every queued block is in the file (or a failed write has turned the
+`staging_bytes` allocated when the tier opens, pinned on a GPU, the device copy asynchronous) and a
+writer thread checksums and writes it. When every staging buffer is still waiting for the disk the
+block is dropped (it is simply not in the tier, `blocks_dropped` counts it), so a disk slower than
+serving costs cache hits, never step time. `read_run` of a block still queued waits for its write,
+and `flush`/`close` return once every queued block is in the file (or a failed write has turned the
 tier off).
 
 Nothing here may put wrong K/V into the cache or stop the engine:
@@ -106,8 +106,12 @@ class FileTier:
                               for _ in range(READ_BUFFERS)]
         self._reader: ThreadPoolExecutor | None = None
         self.staging_blocks = max(1, staging_bytes // self.block_bytes)
-        self._free_buffers: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        self._buffers_made = 0
+        # Allocated and touched now, so no write of a long turn pays for new pages (or, on a GPU
+        # host, a pinned allocation) on the step loop.
+        self._staging = torch.zeros((self.staging_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=pinned)
+        self._free_buffers: queue.LifoQueue[torch.Tensor] = queue.LifoQueue()
+        for buffer in self._staging:
+            self._free_buffers.put(buffer)
         self._writes: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._pending: dict[int, threading.Event] = {}  # hash -> its record is in the file
@@ -391,14 +395,10 @@ class FileTier:
     # -- the writer thread -------------------------------------------------------------------
 
     def _take_buffer(self) -> torch.Tensor | None:
-        """A free staging buffer, made while fewer than staging_blocks exist; None when all are
-        waiting for the disk."""
+        """A free staging buffer; None when all of them are waiting for the disk."""
         try:
             return self._free_buffers.get_nowait()
         except queue.Empty:
-            if self._buffers_made < self.staging_blocks:
-                self._buffers_made += 1
-                return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self._pinned)
             return None
 
     def _write_loop(self) -> None:

@@ -28,9 +28,10 @@ from lab.engine.kv.host_tier import HostTier
 log = logging.getLogger(__name__)
 
 HOST, FILE = "host", "file"  # the names hit counts go under (block_manager.TIERS)
-# The file tier's staging by default: a long turn's KV (10K tokens of Llama-3-8B are 1.2 GiB)
-# waits there for the disk instead of being dropped.
-DEFAULT_STAGING_BYTES = 2 << 30
+# The file tier's staging by default, at most the tier's size: on a GPU a long turn's KV (10K tokens
+# of Llama-3-8B are 1.2 GiB) waits there for the disk instead of being dropped; a CPU engine makes
+# KV a hundred times slower, and its memory is the engine's own.
+DEFAULT_STAGING_BYTES = {"cuda": 2 << 30, "cpu": 256 << 20}
 
 
 def file_tier_path(config: EngineConfig) -> Path:
@@ -160,7 +161,8 @@ def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, identity: dict[str
                               f"({record} bytes each)")
         full_identity = {**identity, "config_hash": config.hash, "block_size": config.block_size,
                          "kv_dtype": str(kv_cache.dtype).removeprefix("torch."), "kv_block_shape": list(block_shape)}
-        staging = config.kv_file_tier_staging_bytes or min(config.kv_file_tier_bytes, DEFAULT_STAGING_BYTES)
+        staging = config.kv_file_tier_staging_bytes or min(config.kv_file_tier_bytes,
+                                                            DEFAULT_STAGING_BYTES[kv_cache.device.type])
         file = FileTier(file_tier_path(config), full_identity, blocks, block_shape, kv_cache.dtype,
                         pinned=kv_cache.is_cuda, staging_bytes=staging)
     tiers = KVTiers(kv_cache, config.kv_tier_write_policy, host, file)
