@@ -171,6 +171,13 @@ def tier(path: Path, capacity: int = 8, **identity) -> FileTier:
     return FileTier(path, {**IDENTITY, **identity}, capacity, SHAPE, torch.float32)
 
 
+def read(t: FileTier, h: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+    """One block read back as a lookup reads it (a run of one), copied out of the read buffer."""
+    for span in t.read_run([(h, tokens)]):
+        return span[0][1].clone()
+    return None
+
+
 def test_file_round_trip_and_lru_reuse_of_records(tmp_path: Path) -> None:
     path = tmp_path / "t.kvtier"
     t = tier(path, capacity=3)
@@ -179,13 +186,12 @@ def test_file_round_trip_and_lru_reuse_of_records(tmp_path: Path) -> None:
     t.flush()  # the writer thread's records are in the file
     assert path.stat().st_size == HEADER_BYTES + 3 * t.record  # the 4th reused the oldest record
     reopened = tier(path, capacity=3)
-    # A block read back is a view of the tier's read buffer until the next read: copy it out.
-    got = {h: None if (g := reopened.get(h, tokens)) is None else g.clone() for h, tokens, _ in blocks(4)}
+    got = {h: read(reopened, h, tokens) for h, tokens, _ in blocks(4)}
     first, *rest = blocks(4)
     assert got[first[0]] is None
     for h, _, data in rest:
         assert torch.equal(got[h], data)
-    assert reopened.get(rest[0][0], (9, 9, 9, 9)) is None  # same hash, other tokens: never shared
+    assert read(reopened, rest[0][0], (9, 9, 9, 9)) is None  # same hash, other tokens: never shared
 
 
 def test_writes_leave_the_step_loop_but_a_read_never_sees_a_half_written_block(tmp_path: Path) -> None:
@@ -195,7 +201,7 @@ def test_writes_leave_the_step_loop_but_a_read_never_sees_a_half_written_block(t
         t.put(h, tokens, data)
         data.fill_(-1.0)  # the caller reuses its block at once (a device block evicted, say)
     for i, (h, tokens, _) in enumerate(made):  # read back while writes may still be queued
-        got = t.get(h, tokens)
+        got = read(t, h, tokens)
         assert got is not None and torch.equal(got, torch.full(SHAPE, float(i)))
     t.close()
     assert t.blocks_written == t.blocks_queued == 12
@@ -254,8 +260,8 @@ def test_a_block_arriving_while_every_staging_buffer_waits_for_the_disk_is_dropp
     t.close()
     assert t.blocks_written == 2
     # A dropped block is simply not in the tier; the two staged ones are.
-    assert [t.get(h, tk) is not None for h, tk, _ in made] == [True, True, False, False, False, False]
-    assert torch.equal(tier(tmp_path / "t.kvtier", capacity=16).get(*made[1][:2]), made[1][2])
+    assert [read(t, h, tk) is not None for h, tk, _ in made] == [True, True, False, False, False, False]
+    assert torch.equal(read(tier(tmp_path / "t.kvtier", capacity=16), *made[1][:2]), made[1][2])
 
 
 @pytest.mark.parametrize("damage, why", [
@@ -278,7 +284,7 @@ def test_damaged_or_foreign_tier_files_are_ignored_with_one_warning(tmp_path: Pa
     path.write_bytes(bytes(raw))
     caplog.set_level(logging.WARNING, logger="lab.engine.kv.file_tier")
     other = tier(path, **({"config_hash": "def"} if damage == "identity" else {}))
-    assert len(other) == 0 and other.enabled and all(other.get(h, tk) is None for h, tk, _ in blocks(3))
+    assert len(other) == 0 and other.enabled and all(read(other, h, tk) is None for h, tk, _ in blocks(3))
     assert len(caplog.records) == 1 and why in caplog.records[0].message
     assert path.stat().st_size == HEADER_BYTES  # replaced by an empty tier file
 

@@ -224,13 +224,6 @@ class FileTier:
     def __contains__(self, key: tuple[int, tuple[int, ...]]) -> bool:
         return self.index.slot(*key) is not None
 
-    def get(self, h: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
-        """The block's K/V on the host, verified; None when absent or damaged. The tensor is a view
-        of a read buffer: valid until the next read, so copy it out first."""
-        for span in self.read_run([(h, tokens)]):
-            return span[0][1]
-        return None
-
     def read_run(self, keys: Sequence[Key]) -> Iterator[list[tuple[int, torch.Tensor]]]:
         """The K/V of `keys`' blocks in order, verified, one span at a time: each span is a list of
         (position in `keys`, view of that block's K/V in a read buffer), valid until the next span
