@@ -25,8 +25,9 @@ own:
   its chunks (`token_count.py`): re-tokenizing streamed text undercounts where the tokenizer merges
   what the model generated as separate tokens.
 - `overlap`, where an instrument of the ladder sends requests that overlap (decode above one
-  stream, mixed): `kept` when a stream still gives as many tokens after a second request arrived as
-  it gave alone, `interrupted` when the second cut it short (llama-cpp-python's server does, unless started with
+  stream, mixed): `kept` when a stream still gives as many tokens after a second request arrived
+  as it gave alone (not max_tokens: llama.cpp's server ends it at EOS either way), `interrupted`
+  when the second cut it short (llama-cpp-python's server does, unless started with
   `--interrupt_requests false`): such an engine serves one request at a time, and every figure
   of overlapping requests would be wrong, so those cells are stored invalid with the reason;
   `unknown` when the first stream ended before the second was sent.

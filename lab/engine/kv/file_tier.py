@@ -245,13 +245,13 @@ class FileTier:
             return
         spans = self._spans(slots)
         reads: list[Future[int | None]] = [self._read(spans[k], k, keys) for k in range(min(READ_BUFFERS, len(spans)))]
-        problem = None
+        unreadable = damaged = None
         try:
             for k, (first, _, count) in enumerate(spans):
                 try:
                     bad = reads[k].result()
                 except OSError as exc:
-                    problem = f"cannot be read ({exc})"
+                    unreadable = f"cannot be read ({exc})"
                     return
                 buffer = self._read_buffers[k % READ_BUFFERS]
                 good = count if bad is None else bad
@@ -264,19 +264,19 @@ class FileTier:
                 if blocks:
                     yield blocks
                 if bad is not None:
-                    problem = f"block {keys[first + bad][0]:016x} fails its checksum"
+                    damaged = keys[first + bad][0]
                     return
                 if k + READ_BUFFERS < len(spans):  # the caller is done with this buffer: read ahead into it
                     reads.append(self._read(spans[k + READ_BUFFERS], k + READ_BUFFERS, keys))
         finally:
             for read in reads:  # no read may still be filling a buffer or using the descriptor
                 read.exception()
-            if problem and "checksum" in problem:
-                log.warning("KV file tier %s: %s; ignoring the file's blocks and starting an empty file",
-                            self.path, problem)
+            if damaged is not None:
+                log.warning("KV file tier %s: block %016x fails its checksum; ignoring the file's blocks and "
+                            "starting an empty file", self.path, damaged)
                 self._reset_after_damage()
-            elif problem:
-                self._disable(problem)
+            elif unreadable is not None:
+                self._disable(unreadable)
 
     def _spans(self, slots: list[int]) -> list[tuple[int, int, int]]:
         """(first position, first slot, count) of each run of consecutive slots, at most
