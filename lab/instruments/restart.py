@@ -23,8 +23,10 @@ Cells (params `{mode}`, repeat = round): `play_s`, `warm_resume_ttft_s`, `restar
 to the engine's first answer), `resume_ttft_s`, `resume_cached_tokens` (the resume's
 `usage.prompt_tokens_details.cached_tokens`), `resume_matches_warm` (1 or 0); and where the engine
 reports tier hits at `/v1/stats` (the bundled engine), `resume_tier_tokens` with params
-`{mode, tier: device|host|file}`: the resume's prompt tokens each tier served. `restart_s` exists
-in mode `restart` only.
+`{mode, tier: device|host|file}`: the resume's prompt tokens each tier served, and
+`play_blocks_dropped`: blocks the file tier dropped during the play because its staging was full
+(a file that cannot keep up holds only part of the history). `restart_s` exists in mode `restart`
+only.
 
 Prompts are token ids in [100, 30000): every engine the lab boots accepts token-id prompts, and
 every model it measures has a vocabulary larger than that. The first ids of each round come from
@@ -94,7 +96,7 @@ class RestartInstrument:
 
     def metrics(self, params: BaseModel) -> dict[str, Better]:
         return {**{name: "lower" for name in SECONDS}, "resume_cached_tokens": "higher",
-                "resume_matches_warm": "higher", "resume_tier_tokens": "higher"}
+                "resume_matches_warm": "higher", "resume_tier_tokens": "higher", "play_blocks_dropped": "lower"}
 
     def plan(self, params: BaseModel) -> list[Step]:
         assert isinstance(params, RestartParams)
@@ -146,6 +148,7 @@ class RestartInstrument:
         async with EngineExtras(ctx) as extras, StreamingClient(ctx.base_url, ctx.api_key,
                                                                  timeout=ctx.request_timeout_s,
                                                                  max_connections=1) as client:
+            before_play = await extras.stats()
             started = time.perf_counter()
             for turn in range(params.turns):
                 played = await client.request(completion(history[:(turn + 1) * params.turn_tokens]))
@@ -154,6 +157,11 @@ class RestartInstrument:
                     return fail_all(f"turn {turn + 1} of the play failed: {failure(played)}")
             cell("play_s", time.perf_counter() - started, list(range(params.turns)),
                  note=f"{params.turns} turns to {len(history)} tokens")
+            dropped = file_tier_drops(before_play, await extras.stats())
+            cell("play_blocks_dropped", dropped and dropped[0], list(range(params.turns)),
+                 None if dropped else f"{NOT_APPLICABLE}the engine reports no file tier writes",
+                 note=dropped and f"{dropped[0]:.0f} of {dropped[1]:.0f} blocks offered to the file tier "
+                                  "during the play found its staging full")
 
             warm = await client.request(completion(history + chunk_a))
             result.receipts.append(warm)
@@ -240,6 +248,19 @@ def tier_tokens(before: dict[str, Any] | None, after: dict[str, Any] | None, tie
 
     first, last = tokens(before), tokens(after)
     return None if first is None or last is None else float(last - first)
+
+
+def file_tier_drops(before: dict[str, Any] | None, after: dict[str, Any] | None) -> tuple[float, float] | None:
+    """(blocks dropped, blocks offered) by the file tier between two `/v1/stats` answers (the
+    bundled engine's `prefix_cache.tiers.file`); None without a file tier."""
+    def counts(stats: dict[str, Any] | None) -> tuple[int, int] | None:
+        file = (((stats or {}).get("prefix_cache") or {}).get("tiers") or {}).get("file")
+        if not isinstance(file, dict) or "blocks_dropped" not in file:
+            return None
+        return int(file["blocks_dropped"]), int(file["blocks_dropped"]) + int(file.get("blocks_queued", 0))
+
+    first, last = counts(before), counts(after)
+    return None if first is None or last is None else (float(last[0] - first[0]), float(last[1] - first[1]))
 
 
 def _s(ns: int | None) -> float | None:

@@ -16,7 +16,9 @@ import torch
 from lab.engine.core.config import ConfigError, from_sources
 from lab.engine.core.sampling_params import SamplingParams
 from lab.engine.kv.block_manager import chain_hash
+from lab.engine.kv import kv_tiers
 from lab.engine.kv.file_tier import HEADER_BYTES, MAGIC, FileTier, record_bytes
+from lab.engine.kv.host_tier import HostTier
 from lab.engine.serve.llm import LLM
 from tests.engine.server_process import engine_server
 
@@ -173,9 +175,15 @@ def tier(path: Path, capacity: int = 8, **identity) -> FileTier:
 
 def read(t: FileTier, h: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
     """One block read back as a lookup reads it (a run of one), copied out of the read buffer."""
-    for span in t.read_run([(h, tokens)]):
-        return span[0][1].clone()
+    for _, records in t.read_run([(h, tokens)]):
+        return t.kv(records)[0].clone()
     return None
+
+
+def spans_of(t: FileTier, keys: list) -> list[list[tuple[int, torch.Tensor]]]:
+    """Each span `read_run` gave: (position in `keys`, the block's K/V copied out) per block."""
+    return [[(first + i, block.clone()) for i, block in enumerate(t.kv(records))]
+            for first, records in t.read_run(keys)]
 
 
 def test_file_round_trip_and_lru_reuse_of_records(tmp_path: Path) -> None:
@@ -217,13 +225,42 @@ def test_a_run_is_read_in_sequential_spans_in_the_order_asked(tmp_path: Path) ->
     reader = tier(tmp_path / "t.kvtier", capacity=16)
     reader.span_blocks = 3  # spans of 3, 2 (the slots jump), 3, 2
     keys = [(h, tokens) for h, tokens, _ in made]
-    spans = [[(i, block.clone()) for i, block in span] for span in reader.read_run(keys)]
+    spans = spans_of(reader, keys)
     assert [[i for i, _ in span] for span in spans] == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9]]
     assert all(torch.equal(block, made[i][2]) for span in spans for i, block in span)
     # A run stops at the first block the file does not hold.
     absent = (chain_hash(None, (7, 7, 7, 7)), (7, 7, 7, 7))
-    got = [i for span in reader.read_run(keys[:2] + [absent] + keys[3:]) for i, _ in span]
+    got = [i for span in spans_of(reader, keys[:2] + [absent] + keys[3:]) for i, _ in span]
     assert got == [0, 1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_lookup_copies_host_runs_and_file_spans_into_the_blocks_asked_whatever_their_slots(
+        tmp_path: Path, monkeypatch, device: str) -> None:
+    made = blocks(9)
+    keys = [(h, tokens) for h, tokens, _ in made]
+    pinned = device == "cuda"
+    file = FileTier(tmp_path / "t.kvtier", IDENTITY, 16, SHAPE, torch.float32, pinned=pinned)
+    for h, tokens, data in made[5:]:
+        file.put(h, tokens, data.to(device))
+    file.close()
+    file = FileTier(tmp_path / "t.kvtier", IDENTITY, 16, SHAPE, torch.float32, pinned=pinned)
+    file.span_blocks = 3  # blocks 5-8: spans of 3 and 1
+    host = HostTier(4, SHAPE, torch.float32, pin=pinned)
+    for h, tokens, data in [made[3], made[0], made[1], made[2], made[4]]:  # block 3 gives way to block 4
+        host.put(h, tokens, data)
+    assert [host.take(*k) for k in keys[:5]] == [1, 2, 3, None, 0]  # block 4 took the slot block 3 left
+    monkeypatch.setattr(kv_tiers, "COPY_BLOCKS", 2)  # host runs are copied two blocks at a time
+    pool = torch.zeros((SHAPE[0], SHAPE[1], 12, *SHAPE[2:]), device=device)
+    tiers = kv_tiers.KVTiers(pool, "on-evict", host, file)
+    block_ids = [11, 0, 10, 3, 5, 6, 7, 2, 8]  # file blocks 5-7 land in consecutive pool blocks
+    origins = tiers.load_run(keys[:3] + [keys[4]] + keys[5:], block_ids[:3] + block_ids[4:])
+    assert origins == ["host"] * 4 + ["file"] * 4
+    for i, b in enumerate(block_ids):
+        expected = torch.zeros(SHAPE) if i == 3 else made[i][2]  # block 3 was asked of no tier
+        assert torch.equal(pool[:, :, b].cpu(), expected), f"block {i} in pool block {b}"
+    # The run ends at the first block no tier gives back; what came before is loaded.
+    assert tiers.load_run(keys[:4], [0, 1, 2, 3]) == ["host"] * 3
 
 
 def test_a_damaged_block_mid_run_ends_the_run_after_the_good_ones_and_empties_the_file(tmp_path: Path,
@@ -239,7 +276,7 @@ def test_a_damaged_block_mid_run_ends_the_run_after_the_good_ones_and_empties_th
     path.write_bytes(bytes(raw))
     caplog.set_level(logging.WARNING, logger="lab.engine.kv.file_tier")
     reader = tier(path, capacity=8)
-    got = [(i, block.clone()) for span in reader.read_run([(h, tk) for h, tk, _ in made]) for i, block in span]
+    got = [block for span in spans_of(reader, [(h, tk) for h, tk, _ in made]) for block in span]
     assert [i for i, _ in got] == [0, 1, 2] and all(torch.equal(b, made[i][2]) for i, b in got)
     assert len(caplog.records) == 1 and "fails its checksum" in caplog.records[0].message
     assert len(reader) == 0 and path.stat().st_size == HEADER_BYTES

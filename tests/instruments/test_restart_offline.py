@@ -72,6 +72,12 @@ def test_a_file_tier_serves_the_history_after_a_restart_and_the_control_recomput
         assert cell(tables, arm, position, "restart", "resume_matches_warm", mode="restart")["value"] == 1
         restart = cell(tables, arm, position, "restart", "restart_s", mode="restart")
         assert restart["valid"] and restart["value"] > 0
+        # The file kept every block of the play: none found the staging full.
+        dropped = cell(tables, arm, position, "restart", "play_blocks_dropped", mode="restart")
+        if file_tokens:
+            assert dropped["valid"] and dropped["value"] == 0 and "0 of 16 blocks offered" in dropped["note"]
+        else:
+            assert not dropped["valid"] and "no file tier" in dropped["note"]
 
 
 def test_a_host_tier_serves_the_history_after_other_prompts_evicted_it(tables) -> None:

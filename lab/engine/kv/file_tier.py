@@ -8,10 +8,11 @@ the engine's config hash, the block size, the KV dtype and the block's shape, so
 another model, config or format is never read.
 
 Reads: a prefix lookup reads its whole run of blocks at once (`read_run`). Records whose slots
-follow each other are read by one sequential read of up to READ_SPAN_BYTES into one of three host
-buffers (pinned when the KV cache is on a GPU, so the device copies straight from them), and READERS
-threads read and verify the next spans while the caller copies this one out: a resume keeps the disk
-busy and the step loop only copies, rather than reading, checking and copying one block at a time.
+follow each other are read by one sequential read of up to READ_SPAN_BYTES into one of READ_BUFFERS
+host buffers (pinned when the KV cache is on a GPU, so the device copies straight from them), and
+READERS threads read and verify the next spans while the caller copies this one out (whole records
+in one copy; `kv` views their K/V wherever they landed): a resume keeps the disk busy and the step
+loop only copies, rather than reading, checking and copying one block at a time.
 The checksum is XXH3 because verifying a resumed 100K-token history (12 GiB of Llama-3-8B KV) with
 CRC32 alone costs seconds.
 
@@ -67,8 +68,11 @@ _RECORD = struct.Struct("<QQ")  # block hash, XXH3-64
 # than its latency, small enough that READ_BUFFERS of them (pinned, on a GPU) are cheap to keep.
 READ_SPAN_BYTES = 16 << 20
 # Spans in flight: READERS threads each read and verify one while the caller copies another out,
-# so the disk always has a read queued while a span is checksummed.
-READ_BUFFERS, READERS = 3, 2
+# so the disk always has a read queued while a span is checksummed. A read from the page cache is
+# a memory copy on the reading thread, so more readers read faster where there are cores for them
+# (a quarter of the host's, two to four: the step loop and the server keep theirs).
+READERS = min(4, max(2, (os.cpu_count() or 1) // 4))
+READ_BUFFERS = READERS + 1
 
 Key = tuple[int, tuple[int, ...]]  # a block's chained hash and its tokens
 
@@ -224,11 +228,11 @@ class FileTier:
     def __contains__(self, key: tuple[int, tuple[int, ...]]) -> bool:
         return self.index.slot(*key) is not None
 
-    def read_run(self, keys: Sequence[Key]) -> Iterator[list[tuple[int, torch.Tensor]]]:
-        """The K/V of `keys`' blocks in order, verified, one span at a time: each span is a list of
-        (position in `keys`, view of that block's K/V in a read buffer), valid until the next span
-        is asked for. Stops at the first block absent or damaged (a damaged one empties the file,
-        with one warning)."""
+    def read_run(self, keys: Sequence[Key]) -> Iterator[tuple[int, torch.Tensor]]:
+        """`keys`' records in order, verified, one span at a time: each span is (position in `keys`
+        of its first block, its records as a [blocks, record] byte view of a read buffer, `kv`
+        gives their K/V), valid until the next span is asked for. Stops at the first block absent
+        or damaged (a damaged one empties the file, with one warning)."""
         self._surface_write_error()
         slots = []
         for h, tokens in keys:
@@ -253,16 +257,11 @@ class FileTier:
                 except OSError as exc:
                     unreadable = f"cannot be read ({exc})"
                     return
-                buffer = self._read_buffers[k % READ_BUFFERS]
                 good = count if bad is None else bad
-                blocks = []
                 for i in range(good):
                     self.index.move_to_end(keys[first + i][0])
-                    at = i * self.record
-                    blocks.append((first + i, buffer[at + self._data_at:at + self.record]
-                                   .view(self.dtype).view(self.block_shape)))
-                if blocks:
-                    yield blocks
+                if good:
+                    yield first, self._read_buffers[k % READ_BUFFERS][:good * self.record].view(good, self.record)
                 if bad is not None:
                     damaged = keys[first + bad][0]
                     return
@@ -277,6 +276,12 @@ class FileTier:
                 self._reset_after_damage()
             elif unreadable is not None:
                 self._disable(unreadable)
+
+    def kv(self, records: torch.Tensor) -> torch.Tensor:
+        """The K/V in `records` (a span from `read_run`, or its copy on a device): a
+        [blocks, *block_shape] view, strided past each record's head. Whole records travel to the
+        device in one contiguous copy; the view is taken there."""
+        return records[:, self._data_at:].view(self.dtype).view(len(records), *self.block_shape)
 
     def _spans(self, slots: list[int]) -> list[tuple[int, int, int]]:
         """(first position, first slot, count) of each run of consecutive slots, at most

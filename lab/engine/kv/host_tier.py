@@ -22,7 +22,7 @@ class HostTier:
         self.pool = torch.empty((capacity_blocks, *block_shape), dtype=dtype, pin_memory=pin)
         self.capacity = capacity_blocks
         self.index = BlockIndex()
-        self.free = list(range(capacity_blocks))
+        self.free = self._all_slots()
         self.on_evict = on_evict
         self.blocks_written = 0
 
@@ -32,12 +32,21 @@ class HostTier:
     def __contains__(self, key: tuple[int, tuple[int, ...]]) -> bool:
         return self.index.slot(*key) is not None
 
-    def get(self, h: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+    def _all_slots(self) -> list[int]:
+        # Popped from the end: a run of blocks put in order lands in ascending slots, which a
+        # lookup copies back to the device in one piece.
+        return list(range(self.capacity - 1, -1, -1))
+
+    def take(self, h: int, tokens: tuple[int, ...]) -> int | None:
+        """The slot holding the block (now the most recently used), or None."""
         slot = self.index.slot(h, tokens)
-        if slot is None:
-            return None
-        self.index.move_to_end(h)
-        return self.pool[slot]
+        if slot is not None:
+            self.index.move_to_end(h)
+        return slot
+
+    def get(self, h: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        slot = self.take(h, tokens)
+        return None if slot is None else self.pool[slot]
 
     def put(self, h: int, tokens: tuple[int, ...], block: torch.Tensor) -> None:
         if h in self.index:
@@ -55,4 +64,4 @@ class HostTier:
 
     def clear(self) -> None:
         self.index.clear()
-        self.free = list(range(self.capacity))
+        self.free = self._all_slots()

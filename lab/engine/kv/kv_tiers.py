@@ -14,7 +14,8 @@ spans, the next span read while this one is copied to the device."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,14 @@ from lab.engine.kv.host_tier import HostTier
 log = logging.getLogger(__name__)
 
 HOST, FILE = "host", "file"  # the names hit counts go under (block_manager.TIERS)
-# The file tier's staging by default, at most the tier's size: on a GPU a long turn's KV (10K tokens
-# of Llama-3-8B are 1.2 GiB) waits there for the disk instead of being dropped; a CPU engine makes
-# KV a hundred times slower, and its memory is the engine's own.
-DEFAULT_STAGING_BYTES = {"cuda": 2 << 30, "cpu": 256 << 20}
+# The file tier's staging by default, at most the tier's size and a sixteenth of the host's memory:
+# on a GPU a prefill makes KV faster than a page cache takes it (Llama-3-8B at 32K tokens/s makes
+# 4 GiB/s; the H200 host's page cache took 1.9 GiB/s), so a long conversation's (a 100K-token one
+# is 12 GiB) waits there for the disk instead of being dropped; a CPU engine makes KV a hundred
+# times slower, and its memory is the engine's own.
+DEFAULT_STAGING_BYTES = {"cuda": 8 << 30, "cpu": 256 << 20}
+# The most host blocks one copy to the device moves (of Llama-3-8B's, 2 MiB each: 128 MiB).
+COPY_BLOCKS = 64
 
 
 def file_tier_path(config: EngineConfig) -> Path:
@@ -67,24 +72,53 @@ class KVTiers:
         origins: list[str] = []
         while len(origins) < len(keys):
             i = len(origins)
-            h, tokens = keys[i]
-            data = self.host.get(h, tokens) if self.host is not None else None
-            if data is not None:
-                self._block(block_ids[i]).copy_(data, non_blocking=True)
-                origins.append(HOST)
+            slots = []  # the host's stretch from here
+            while self.host is not None and i + len(slots) < len(keys):
+                slot = self.host.take(*keys[i + len(slots)])
+                if slot is None:
+                    break
+                slots.append(slot)
+            if slots:
+                self._copy_host(slots, block_ids[i:i + len(slots)])
+                origins += [HOST] * len(slots)
                 continue
             end = i + 1  # the stretch of blocks the host does not hold: the file's to read
             while end < len(keys) and not (self.host is not None and keys[end] in self.host):
                 end += 1
-            for span in self.file.read_run(keys[i:end]) if self.file is not None else ():
-                for k, block in span:
-                    self._block(block_ids[i + k]).copy_(block, non_blocking=True)
+            for first, records in self.file.read_run(keys[i:end]) if self.file is not None else ():
+                self._scatter(records, block_ids[i + first:i + first + len(records)], self.file.kv)
                 self._copied()  # the read buffer is reused once the next span is asked for
-                origins += [FILE] * len(span)
+                origins += [FILE] * len(records)
             if len(origins) < end:
                 break
         self._copied()
         return origins
+
+    def _copy_host(self, slots: list[int], block_ids: Sequence[int]) -> None:
+        """Each run of consecutive host slots goes to the device in one copy (pinned: asynchronous)."""
+        assert self.host is not None
+        start = 0
+        for k in range(1, len(slots) + 1):
+            if k == len(slots) or slots[k] != slots[k - 1] + 1 or k - start == COPY_BLOCKS:
+                self._scatter(self.host.pool[slots[start]:slots[k - 1] + 1], block_ids[start:k])
+                start = k
+
+    def _scatter(self, data: torch.Tensor, block_ids: Sequence[int],
+                 kv: Callable[[torch.Tensor], torch.Tensor] = lambda blocks: blocks) -> None:
+        """Contiguous host `data` holding blocks into device blocks `block_ids`, in one copy to the
+        device (a 100K-token history is 6,250 blocks); `kv` views the blocks' K/V, [n, *block_shape],
+        in `data` or in its copy on the device."""
+        if self.kv_cache.is_cuda:
+            data = data.to(self.kv_cache.device, non_blocking=True)
+        blocks, first = kv(data), block_ids[0]
+        if list(block_ids) == list(range(first, first + len(block_ids))):
+            self.kv_cache[:, :, first:first + len(block_ids)].copy_(blocks.movedim(0, 2))
+        elif self.kv_cache.is_cuda:  # one kernel, not one launch per block
+            ids = torch.tensor(block_ids, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
+            self.kv_cache.index_copy_(2, ids, blocks.movedim(0, 2))
+        else:  # on a CPU block-by-block copies beat index_copy_ (see docs/performance.md)
+            for k, block_id in enumerate(block_ids):
+                self.kv_cache[:, :, block_id].copy_(blocks[k])
 
     def _copied(self) -> None:
         """Wait for the copies queued to the device (from pinned buffers they are asynchronous)."""
@@ -161,8 +195,9 @@ def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, identity: dict[str
                               f"({record} bytes each)")
         full_identity = {**identity, "config_hash": config.hash, "block_size": config.block_size,
                          "kv_dtype": str(kv_cache.dtype).removeprefix("torch."), "kv_block_shape": list(block_shape)}
-        staging = config.kv_file_tier_staging_bytes or min(config.kv_file_tier_bytes,
-                                                            DEFAULT_STAGING_BYTES[kv_cache.device.type])
+        staging = config.kv_file_tier_staging_bytes or min(
+            config.kv_file_tier_bytes, DEFAULT_STAGING_BYTES[kv_cache.device.type],
+            os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 16)
         file = FileTier(file_tier_path(config), full_identity, blocks, block_shape, kv_cache.dtype,
                         pinned=kv_cache.is_cuda, staging_bytes=staging)
     tiers = KVTiers(kv_cache, config.kv_tier_write_policy, host, file)
