@@ -155,8 +155,8 @@ def test_overlapped_decode_matches_synchronous() -> None:
 
 
 def test_prompt_lookup_with_graphs_and_overlap_matches_plain_decoding() -> None:
-    """Prompt lookup's load-time probe runs overlapped, graph-replayed and eager verify steps on the
-    device; greedy tokens then equal plain decoding's, whether a step drafts (random weights loop
+    """Prompt lookup's load-time probe runs overlapped and graph-replayed steps on the device, a
+    verify step as one decode row per token; greedy tokens then equal plain decoding's, whether a step drafts (random weights loop
     greedily) or overlaps, with requests ending at different steps."""
     ps = prompts(12, seed=6)
     params = [SamplingParams(max_tokens=16 + (i % 4) * 8, temperature=0, ignore_eos=True) for i in range(12)]
@@ -169,6 +169,9 @@ def test_prompt_lookup_with_graphs_and_overlap_matches_plain_decoding() -> None:
     assert [t.batch for t in measured][0] == 1 and all(t.overlapped > 0 and t.plain > 0 for t in measured)
     assert [c.token_ids for c in spec.generate(ps, params)] == want
     assert spec.engine.counters.overlapped_steps > 0
+    # Verify steps of a few sequences are decode rows replayed in a graph, not eager steps.
+    counters = spec.engine.drafter.counters
+    assert counters.drafts > 0 and counters.graph_verify_steps > 0
 
 
 def test_a_repeated_workload_sends_the_allocator_to_the_driver_no_more() -> None:

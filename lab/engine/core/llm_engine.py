@@ -93,7 +93,8 @@ class LLMEngine:
             if self.overlap:
                 log.info("prompt lookup: a decode step gives up overlapping only where its drafts pay for that")
             if self.runner.graphs is not None:
-                log.info("prompt lookup: steps that verify drafts run eagerly, the others replay CUDA graphs")
+                log.info("prompt lookup: a verify step replays the decode graphs, one row per token, while its "
+                         "rows fit the largest graph (%d); larger ones run eagerly", self.runner.graphs.max_batch)
         self.load_seconds = time.monotonic() - started
         log.info("engine ready in %.1f s: %s on %s (%s), KV pool %d blocks x %d = %d tokens (%.1f MiB)",
                  self.load_seconds, config.model, self.device, str(self.dtype).removeprefix("torch."),
@@ -209,6 +210,8 @@ class LLMEngine:
     def _run_sync(self, plan: SchedulerOutput) -> list[RequestOutput]:
         result = self.runner.execute(plan.scheduled)
         self.counters.steps += 1
+        if result.graphed and self.drafter is not None and any(s.draft for s in plan.scheduled):
+            self.drafter.counters.graph_verify_steps += 1
         outputs: list[RequestOutput] = []
         for s in plan.scheduled:
             seq = s.seq

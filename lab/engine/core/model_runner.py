@@ -98,6 +98,7 @@ class StepResult:
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
     # Sequences that carried a draft: the kept draft tokens then one more, with their logprobs.
     verified: dict[int, list[tuple[int, TokenLogprob | None]]] = field(default_factory=dict)
+    graphed: bool = False  # the step replayed a CUDA graph
 
 
 class ModelRunner:
@@ -206,14 +207,38 @@ class ModelRunner:
         pos = to_device(positions, torch.long, self.device)
         return ids, pos, meta, logit_rows
 
+    def _decode_rows(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int], list[list[int]]] | None:
+        """(token ids, positions, block tables) of a step that a decode graph can run, one row per
+        token, or None. A verify step qualifies: each draft token is one more decode row of its
+        sequence (the same block table, the next position), so every row writes its K/V and
+        attends to the context up to itself, as causal attention over the draft would; the logits
+        come out in the rows `prepare` would have chosen. Eager, such a step launches every
+        kernel of every layer, many times a replayed graph's cost on a small batch."""
+        graphs = self.graphs
+        if graphs is None:
+            return None
+        ids: list[int] = []
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        for s in scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            if s.num_tokens - len(s.draft) != 1 or not (s.samples or s.draft) or (
+                    seq.wants_prompt_logprobs and start < seq.num_prompt_tokens):
+                return None
+            ids.append(seq.token_ids[start])
+            ids.extend(s.draft)
+            positions.extend(range(start, start + s.num_tokens))
+            tables.extend([seq.block_table] * s.num_tokens)
+        return (ids, positions, tables) if len(ids) <= graphs.max_batch else None
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
-        graphs = self.graphs
-        if graphs is not None and len(scheduled) <= graphs.max_batch and all(s.num_tokens == 1 for s in scheduled):
-            seqs = [s.seq for s in scheduled]
-            logits = graphs.run(self._next_parity(), [q.token_ids[-1] for q in seqs],
-                                [q.num_tokens - 1 for q in seqs], [q.block_table for q in seqs])
-            return self._postprocess(scheduled, logits)
+        rows = self._decode_rows(scheduled)
+        if rows is not None:
+            assert self.graphs is not None
+            result = self._postprocess(scheduled, self.graphs.run(self._next_parity(), *rows))
+            result.graphed = True
+            return result
         ids, pos, meta, logit_rows = self.prepare(scheduled)
         hidden = self.model.forward(ids, pos, meta, self.kv_layers)
         logits = None

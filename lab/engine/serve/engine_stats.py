@@ -42,8 +42,8 @@ def memory_report(device: torch.device) -> dict[str, int]:
 
 def spec_report(engine: LLMEngine) -> dict[str, Any] | None:
     """Prompt lookup's counters, acceptance (accepted / drafted tokens), mean tokens emitted per
-    verify step (1 + accepted / drafts), the decode steps that gave up overlapping to draft, and
-    its cost model: the step times measured at load per batch size and the break-even there (the
+    verify step (1 + accepted / drafts), the decode steps that gave up overlapping to draft, the
+    verify steps that replayed a CUDA graph, and its cost model: the step times measured at load per batch size and the break-even there (the
     tokens accepted per look, and the acceptance, above which drafting k tokens pays); None when
     it is off."""
     if engine.drafter is None:
@@ -53,7 +53,8 @@ def spec_report(engine: LLMEngine) -> dict[str, Any] | None:
             "accepted_per_position": list(c.accepted_per_position),
             "acceptance": c.accepted_tokens / c.draft_tokens if c.draft_tokens else None,
             "tokens_per_step": 1 + c.accepted_tokens / c.drafts if c.drafts else None,
-            "sync_steps": c.sync_steps, "costs": engine.drafter.costs.to_dict()}
+            "sync_steps": c.sync_steps, "graph_verify_steps": c.graph_verify_steps,
+            "costs": engine.drafter.costs.to_dict()}
 
 
 def queue_report(engine: LLMEngine) -> dict[str, Any]:

@@ -39,6 +39,7 @@ class SpecCounters:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     sync_steps: int = 0
+    graph_verify_steps: int = 0  # verify steps that replayed a CUDA graph rather than running eagerly
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafts += 1
