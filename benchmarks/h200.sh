@@ -91,7 +91,7 @@ run_stage() {
            timeout 450 python3 benchmarks/overload.py --url http://127.0.0.1:8123 --requests 40 --streams 8 \
              --prompt-tokens 8192 --max-tokens 256 --timeout 300 --json "$OUT/overload.json"
            echo "overload.py exit $?"
-           kill "$server"; wait "$server" ;;
+           kill "$server"; wait "$server"; echo "server exit $? (143: the SIGTERM above)" ;;
     *) echo "h200.sh: no stage $stage" ;;
   esac
 }
