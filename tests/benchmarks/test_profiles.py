@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.scripts import BENCHMARKS, run_script
+from tests.benchmarks.scripts import BENCHMARKS, numbers, run_script
 
 
 @pytest.mark.slow
@@ -56,3 +56,12 @@ def test_prefill_profile_finds_where_the_gpu_waited() -> None:
     assert abs(found["lead_s"] - 0.002) < 1e-9 and abs(found["between_s"] - 0.003) < 1e-9
     assert abs(found["idle_s"] - 0.006) < 1e-9  # 21 ms profiled, 15 ms of kernels
     assert found["largest"] == [(3.0, "aten::copy_ 2.00 ms")]
+
+
+def test_tokenize_prompt_times_a_prompt_whole_and_in_pieces_to_the_same_ids() -> None:
+    text = run_script("tokenize_prompt.py", "--tokens", "300", "6000", "--repeats", "2")
+    rows = [line for line in text.splitlines() if "tokens (" in line]
+    assert len(rows) == 2 and all("whole" in r and "in pieces" in r for r in rows)
+    short, long = (numbers(r) for r in rows)
+    assert short[-1] == pytest.approx(short[2] / short[3], rel=0.02)  # the ratio printed is whole / pieces
+    assert long[0] > short[0] > 0

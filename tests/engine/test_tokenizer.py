@@ -11,9 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab.engine.weights import text_pieces
 from lab.engine.weights.chat_template import ChatTemplate, ChatTemplateError
 from lab.engine.weights.tokenizer import Tokenizer
+from lab.engine.weights.tokenizer_dummy import dummy_tokenizer
 from lab.engine.weights.weights_gguf import read_gguf
+from tests.engine.test_loader import write_tiny_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<empty_output>"]
 
@@ -218,3 +221,43 @@ def test_save_and_load_keep_everything(tokenizer: Tokenizer, tmp_path: Path) -> 
         (tokenizer.special_ids, tokenizer.eos_token_ids, tokenizer.bos_token_id, tokenizer.vocab_size)
     messages = CONVERSATIONS[1]
     assert loaded.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+
+
+def _long_text(rng: random.Random, words: int) -> str:
+    """Prose-like text (words between spaces, most cuts land between letters) mixed with
+    everything `_random_text` makes: digits, whitespace runs, punctuation, CJK, combining marks,
+    special tokens written in the text."""
+    parts = []
+    for _ in range(words):
+        parts.append(_random_text(rng) if rng.random() < 0.2 else
+                     "".join(rng.choice("abcdefghijklmnopqrstuvwxyzéß") for _ in range(rng.randint(1, 9))))
+        parts.append(rng.choice([" ", " ", " ", "\n", ", ", "  "]))
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "dummy", "llama3-split"])
+def test_a_long_text_encoded_in_pieces_gives_the_whole_texts_ids(which: str, smollm2_gguf: Path, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    if which == "smollm2":
+        tok = read_gguf(smollm2_gguf)[2]
+    elif which == "dummy":
+        tok = dummy_tokenizer(128256)
+    else:
+        tok = read_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", pre="llama-bpe"))[2]
+    monkeypatch.setattr(text_pieces, "PIECE_CHARS", 64)  # many cuts in a text a test can afford
+    rng = random.Random(7)
+    for _ in range(40):
+        text = _long_text(rng, 300)
+        assert len(text_pieces.pieces(text)) > 5
+        for special in (True, False):
+            assert tok.encode(text, add_special_tokens=special) == \
+                tok._backend.encode(text, add_special_tokens=special).ids
+
+
+def test_text_is_cut_only_at_a_space_between_letters() -> None:
+    text = "ab " * 40 + "12 34 !? " * 40 + "cd ef"
+    parts = text_pieces.pieces(text, piece_chars=50)
+    assert "".join(parts) == text and len(parts) > 1
+    for part in parts[1:]:
+        assert part[0] == " " and part[1].isalpha()
+    assert text_pieces.pieces("1 2 3 " * 100, piece_chars=50) == ["1 2 3 " * 100]  # no letters: no cut

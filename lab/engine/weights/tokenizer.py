@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from lab.engine.weights import text_pieces
 from lab.engine.weights.chat_template import ChatTemplate, ChatTemplateError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -178,8 +179,30 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, as Hugging Face's `tokenizer(text)["input_ids"]`: special tokens
         written in the text are recognised, and a BOS is added when the model's tokenizer adds one.
-        Pass `add_special_tokens=False` for text a chat template rendered (it writes its own BOS)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        Pass `add_special_tokens=False` for text a chat template rendered (it writes its own BOS).
+        A long text is encoded in pieces in parallel (`text_pieces.py`), to the same ids."""
+        parts = text_pieces.pieces(text) if self._cuts_safely else [text]
+        if len(parts) == 1:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The fast batch keeps no offsets; the post-processor's tokens are added around the whole.
+        ids = [i for piece in self._backend.encode_batch_fast(parts, add_special_tokens=False) for i in piece.ids]
+        before, after = self._added_around if add_special_tokens else ([], [])
+        return before + ids + after
+
+    @cached_property
+    def _added_around(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after a text's own (a BOS, say)."""
+        bare = self._backend.encode("a", add_special_tokens=False).ids
+        full = self._backend.encode("a", add_special_tokens=True).ids
+        at = next(i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare)
+        return full[:at], full[at + len(bare):]
+
+    @cached_property
+    def _cuts_safely(self) -> bool:
+        """A space between two letters always starts a pre-token: byte-level BPE, and no added
+        token (matched before the split) whose text holds a space."""
+        added = self._backend.get_added_tokens_decoder().values()
+        return self._byte_level and not any(" " in token.content for token in added)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
