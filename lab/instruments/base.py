@@ -10,7 +10,7 @@ what they read of it comes through `BootContext.stored`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel
@@ -86,6 +86,8 @@ class BootContext:
     # they were (`lab.instruments.shared_prompts`), so every engine gets the same requests; None
     # where each boot sizes its own.
     prompts_of: int | None = None
+    # That control's prompts by instrument, as `shared_prompts` reads them: once a boot, not once a request.
+    control_prompts: dict[str, list[tuple[str, int | None]]] = field(default_factory=dict, repr=False)
 
 
 class Instrument(Protocol):

@@ -23,12 +23,12 @@ def control_prompt(ctx: BootContext, instrument: str, salt: str) -> tuple[str, i
     control sent none (it failed before this request, or ran another instrument set)."""
     if ctx.prompts_of is None:
         return None
+    if instrument not in ctx.control_prompts:
+        requests = ctx.stored.boot_slot_steps(ctx.prompts_of, instrument).requests
+        ctx.control_prompts[instrument] = [(prompt, r.prompt_tokens) for r in requests
+                                           if isinstance(prompt := (r.payload or {}).get("prompt"), str)]
     head = salt_line(salt) + " "
-    for request in ctx.stored.boot_slot_steps(ctx.prompts_of, instrument).requests:
-        prompt = (request.payload or {}).get("prompt")
-        if isinstance(prompt, str) and prompt.startswith(head):
-            return prompt, request.prompt_tokens
-    return None
+    return next(((p, n) for p, n in ctx.control_prompts[instrument] if p.startswith(head)), None)
 
 
 async def window_prompt(ctx: BootContext, extras: EngineExtras, instrument: str, salt: str, target: int,
