@@ -7,9 +7,9 @@ once, so a restarted engine finds all of it in the file; `on-evict` copies a blo
 the tier above evicts it (device -> host -> file), which writes less but leaves the file holding
 only what overflowed host memory. Each tier evicts least recently used first on its own.
 
-A prefix lookup loads its whole run of lower-tier blocks at once (`load_run`): host blocks are
-copied from the host pool, and each stretch of file blocks is read as the file tier's sequential
-spans, the next span read while this one is copied to the device."""
+A prefix lookup loads its whole run of lower-tier blocks at once (`load_run`): each run of
+consecutive host slots, and each of the file tier's sequential spans (the next read while this one
+is copied), goes to the device in one copy and is scattered into its blocks there."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 
 HOST, FILE = "host", "file"  # the names hit counts go under (block_manager.TIERS)
 # The file tier's staging by default, at most the tier's size and a sixteenth of the host's memory:
-# on a GPU a prefill makes KV faster than a page cache takes it (Llama-3-8B at 32K tokens/s makes
-# 4 GiB/s; the H200 host's page cache took 1.9 GiB/s), so a long conversation's (a 100K-token one
-# is 12 GiB) waits there for the disk instead of being dropped; a CPU engine makes KV a hundred
-# times slower, and its memory is the engine's own.
+# on a GPU a prefill makes KV faster than a page cache takes it (on the H200 host, about twice as
+# fast: docs/performance.md), so a long conversation's (a 100K-token one is 12 GiB) waits there
+# for the disk instead of being dropped; a CPU engine makes KV a hundred times slower, and its
+# memory is the engine's own.
 DEFAULT_STAGING_BYTES = {"cuda": 8 << 30, "cpu": 256 << 20}
 # The most host blocks one copy to the device moves (of Llama-3-8B's, 2 MiB each: 128 MiB).
 COPY_BLOCKS = 64
@@ -116,7 +116,7 @@ class KVTiers:
         elif self.kv_cache.is_cuda:  # one kernel, not one launch per block
             ids = torch.tensor(block_ids, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
             self.kv_cache.index_copy_(2, ids, blocks.movedim(0, 2))
-        else:  # on a CPU block-by-block copies beat index_copy_ (see docs/performance.md)
+        else:  # on a CPU index_copy_ moves these strided blocks slower than one copy_ each
             for k, block_id in enumerate(block_ids):
                 self.kv_cache[:, :, block_id].copy_(blocks[k])
 
