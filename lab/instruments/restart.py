@@ -124,7 +124,7 @@ class RestartInstrument:
 
         def cell(metric: str, value: float | None, requests: list[int] | None, why: str | None = None,
                  note: str = "", **cell_params: Any) -> None:
-            unit = "s" if metric in SECONDS else ("tokens" if "tokens" in metric else "ratio")
+            unit = "s" if metric in SECONDS else next((u for u in ("tokens", "blocks") if u in metric), "ratio")
             result.cells.append(Cell(metric, value if why is None else None, unit, {"mode": mode, **cell_params},
                                      rnd, valid=why is None, note=why or note, requests=requests))
 
@@ -160,8 +160,8 @@ class RestartInstrument:
             dropped = file_tier_drops(before_play, await extras.stats())
             cell("play_blocks_dropped", dropped and dropped[0], list(range(params.turns)),
                  None if dropped else f"{NOT_APPLICABLE}the engine reports no file tier writes",
-                 note=dropped and f"{dropped[0]:.0f} of {dropped[1]:.0f} blocks offered to the file tier "
-                                  "during the play found its staging full")
+                 note=f"{dropped[0]:.0f} of {dropped[1]:.0f} blocks offered to the file tier during the play "
+                      "found its staging full" if dropped else "")
 
             warm = await client.request(completion(history + chunk_a))
             result.receipts.append(warm)
