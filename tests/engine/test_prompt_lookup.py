@@ -303,3 +303,43 @@ def test_counters_at_metrics_and_stats_fill_the_decode_cells(tmp_path) -> None:
     cells = {c.metric: c for c in spec_cells(1, 0, metrics_before, after)}
     assert cells["spec_acceptance"].value == pytest.approx(stats["acceptance"])
     assert cells["spec_tokens_per_step"].value == pytest.approx(stats["tokens_per_step"]) and stats["tokens_per_step"] > 1
+
+
+def test_a_verify_step_as_decode_rows_gives_the_causal_verify_logits(monkeypatch) -> None:
+    """What a CUDA graph replays for a verify step, each draft token one more decode row of its
+    sequence (the same block table, the next position), computes the logits of the eager verify
+    step's causal attention over the draft; here both run eagerly on the CPU."""
+    from types import SimpleNamespace
+
+    from lab.engine.core import draft_probe
+    from lab.engine.core.scheduler import ScheduledSeq
+
+    llm = LLM("dummy:smollm2-135m", dtype="float32", max_model_len=512)
+    engine, runner = llm.engine, llm.engine.runner
+    seqs = draft_probe._place(engine, 2, 100)  # decoding, 99 tokens of K/V in the cache
+    drafts = [[11, 12, 13], [21, 22]]
+    for seq, draft in zip(seqs, drafts):
+        engine.blocks.allocate(seq, 1 + len(draft))
+    verify_step = [ScheduledSeq(seq, 1 + len(draft), draft) for seq, draft in zip(seqs, drafts)]
+    rows = []
+    for seq, draft in zip(seqs, drafts):
+        start = seq.num_computed_tokens
+        for j in range(1 + len(draft)):
+            row = Sequence(seq.seq_id, seq.request_id, seq.token_ids[:start + 1] + draft[:j], seq.params)
+            row.num_computed_tokens, row.block_table = start + j, seq.block_table
+            rows.append(ScheduledSeq(row, 1))
+    with torch.inference_mode():
+        ids, pos, meta, logit_rows = runner.prepare(verify_step)
+        hidden = runner.model.forward(ids, pos, meta, runner.kv_layers)
+        causal = runner.model.logits(hidden.index_select(0, torch.tensor(logit_rows)))
+        row_ids, row_pos, row_meta, _ = runner.prepare(rows)
+        assert row_meta.num_decodes == len(rows) == len(logit_rows) == 7
+        as_rows = runner.model.logits(runner.model.forward(row_ids, row_pos, row_meta, runner.kv_layers))
+    torch.testing.assert_close(as_rows, causal, rtol=1e-4, atol=1e-4)
+    assert torch.equal(as_rows.argmax(-1), causal.argmax(-1))
+    # The rows the graph path builds are those: the ids and positions the eager step computes.
+    monkeypatch.setattr(runner, "graphs", SimpleNamespace(max_batch=8))
+    graph_ids, graph_pos, tables = runner._decode_rows(verify_step)
+    assert graph_ids == ids.tolist() and graph_pos == pos.tolist() and tables == [r.seq.block_table for r in rows]
+    monkeypatch.setattr(runner, "graphs", SimpleNamespace(max_batch=6))  # 7 rows do not fit: eager
+    assert runner._decode_rows(verify_step) is None
