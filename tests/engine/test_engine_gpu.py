@@ -156,8 +156,9 @@ def test_overlapped_decode_matches_synchronous() -> None:
 
 def test_prompt_lookup_with_graphs_and_overlap_matches_plain_decoding() -> None:
     """Prompt lookup's load-time probe runs overlapped and graph-replayed steps on the device, a
-    verify step as one decode row per token; greedy tokens then equal plain decoding's, whether a step drafts (random weights loop
-    greedily) or overlaps, with requests ending at different steps."""
+    verify step as one decode row per token; greedy tokens then equal plain decoding's, whether a
+    step drafts (random weights loop greedily) or overlaps, with requests ending at different
+    steps."""
     ps = prompts(12, seed=6)
     params = [SamplingParams(max_tokens=16 + (i % 4) * 8, temperature=0, ignore_eos=True) for i in range(12)]
     plain = LLM(MODEL, kv_cache_memory_bytes=KV, dtype="float32", device="cuda")

@@ -62,7 +62,8 @@ class EngineConfig:
     kv_file_tier_staging_bytes: int = _knob(0, "host memory for blocks waiting to be written to the file tier "
                                             "(allocated at start, pinned on CUDA); a block arriving when it is "
                                             "full is dropped rather than wait for the disk (0 = the file tier's "
-                                            "size, at most 8 GiB on CUDA and 256 MiB on CPU, and a 16th of the host's memory)",
+                                            "size, at most 8 GiB on CUDA and 256 MiB on CPU, and a 16th of the "
+                                            "host's memory)",
                                             hashed_at_default=False)
     kv_tier_write_policy: str = _knob("write-through", "when blocks reach the tiers: write-through = as soon as a "
                                       "prefix-cache block is full (a restart finds everything), on-evict = when "

@@ -43,9 +43,9 @@ def memory_report(device: torch.device) -> dict[str, int]:
 def spec_report(engine: LLMEngine) -> dict[str, Any] | None:
     """Prompt lookup's counters, acceptance (accepted / drafted tokens), mean tokens emitted per
     verify step (1 + accepted / drafts), the decode steps that gave up overlapping to draft, the
-    verify steps that replayed a CUDA graph, and its cost model: the step times measured at load per batch size and the break-even there (the
-    tokens accepted per look, and the acceptance, above which drafting k tokens pays); None when
-    it is off."""
+    verify steps that replayed a CUDA graph, and its cost model: the step times measured at load
+    per batch size and the break-even there (the tokens accepted per look, and the acceptance,
+    above which drafting k tokens pays); None when it is off."""
     if engine.drafter is None:
         return None
     c = engine.drafter.counters
