@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from lab.engine.model_config import PRESETS
+from lab.engine.weights import text_pieces
 from lab.engine.weights.loader import DUMMY_PREFIX, bundled_model_path
 from lab.engine.weights.tokenizer import Tokenizer
 from lab.engine.weights.tokenizer_dummy import dummy_tokenizer
@@ -47,6 +48,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2000, 8000, 32000, 131000],
                     help="random token ids decoded to make each text")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--piece-chars", type=int, nargs="+", default=[text_pieces.PIECE_CHARS],
+                    help="piece sizes to time (--tokenize-piece-chars; the engine's default is the default)")
     args = ap.parse_args()
     tok = tokenizer(args.model)
     rng = random.Random(0)
@@ -56,9 +59,13 @@ def main() -> None:
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == tok._backend.encode(text, add_special_tokens=False).ids, "the pieces gave other ids"
         whole = median_ms(lambda: tok._backend.encode(text, add_special_tokens=False), args.repeats)
-        pieces = median_ms(lambda: tok.encode(text, add_special_tokens=False), args.repeats)
-        print(f"  {len(ids):8,d} tokens ({len(text) / 1e3:5.0f} kB): whole {whole:8.2f} ms, in pieces {pieces:8.2f} ms "
-              f"({whole / pieces:.2f}x)")
+        timed = []
+        for chars in args.piece_chars:
+            tok.piece_chars = chars
+            assert tok.encode(text, add_special_tokens=False) == ids, f"pieces of {chars} gave other ids"
+            ms = median_ms(lambda: tok.encode(text, add_special_tokens=False), args.repeats)
+            timed.append(f"pieces of {chars}: {ms:8.2f} ms ({whole / ms:.2f}x)")
+        print(f"  {len(ids):8,d} tokens ({len(text) / 1e3:5.0f} kB): whole {whole:8.2f} ms, " + ", ".join(timed))
 
 
 if __name__ == "__main__":

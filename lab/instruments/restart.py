@@ -12,8 +12,9 @@ in the history), `context_tokens` in all. Then:
    (`mode: restart`), or the instrument pushes the conversation out of the device cache with
    other prompts of `evict_tokens` in all (`mode: evict`, for a host-memory tier, which a
    restart empties);
-3. *resume*: the history plus a new chunk B, the first request after the restart: the history
-   comes from whatever tier kept it, or is recomputed; its time to first token is the figure;
+3. *resume*: the history plus a new chunk B (`resume_tokens`, by default a turn's), the first
+   request after the restart: the history comes from whatever tier kept it, or is recomputed; its
+   time to first token is the figure;
 4. *check*: the history plus chunk A again, A computed over the history exactly as the first time;
    its greedy text must equal the warm resume's, since a tier must change nothing but time. (Where
    the history was recomputed instead, in other chunks, low-precision sums may round otherwise and
@@ -62,7 +63,10 @@ class RestartParams(PresetParams):
     context_tokens: conint(ge=16) = Field(  # type: ignore[valid-type]
         2000, description="user tokens in the conversation played before the restart")
     turn_tokens: conint(ge=16) = Field(  # type: ignore[valid-type]
-        500, description="user tokens each turn adds, and the length of the resume's new chunk")
+        500, description="user tokens each turn adds")
+    resume_tokens: conint(ge=1) | None = Field(  # type: ignore[valid-type]
+        None, description="new user tokens the resume adds to the history (default: turn_tokens); the history "
+                          "is what a tier can serve, these are computed whatever the tier")
     max_tokens: conint(ge=1) = Field(8, description="output tokens per request")  # type: ignore[valid-type]
     check_tokens: conint(ge=1) = Field(  # type: ignore[valid-type]
         8, description="tokens of the chunk the warm resume and the check add: fewer than a KV block holds "
@@ -89,6 +93,10 @@ class RestartParams(PresetParams):
     def turns(self) -> int:
         return self.context_tokens // self.turn_tokens
 
+    @property
+    def resume_chunk(self) -> int:
+        return self.turn_tokens if self.resume_tokens is None else self.resume_tokens
+
 
 class RestartInstrument:
     name: ClassVar[str] = "restart"
@@ -112,7 +120,7 @@ class RestartInstrument:
 
     def prompt_tokens(self, params: BaseModel) -> dict[str, int]:
         assert isinstance(params, RestartParams)
-        return {"context_tokens": params.turns * params.turn_tokens + max(params.turn_tokens, params.check_tokens)
+        return {"context_tokens": params.turns * params.turn_tokens + max(params.resume_chunk, params.check_tokens)
                 + params.max_tokens}
 
     async def run_step(self, ctx: BootContext, step: Step) -> StepResult:
@@ -229,7 +237,8 @@ class RestartInstrument:
 
 def conversation(salt: str, params: RestartParams) -> list[list[int]]:
     """The user chunks of one round: the turns played, then the chunks A and B the resumes add."""
-    return [token_ids(f"{salt}/{i}", params.turn_tokens) for i in range(params.turns + 2)]
+    played = [token_ids(f"{salt}/{i}", params.turn_tokens) for i in range(params.turns + 1)]
+    return played + [token_ids(f"{salt}/{params.turns + 1}", params.resume_chunk)]
 
 
 def token_ids(salt: str, n: int) -> list[int]:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab.engine.serve.llm import LLM
 from lab.engine.weights import text_pieces
 from lab.engine.weights.chat_template import ChatTemplate, ChatTemplateError
 from lab.engine.weights.tokenizer import Tokenizer
@@ -236,19 +237,19 @@ def _long_text(rng: random.Random, words: int) -> str:
 
 
 @pytest.mark.parametrize("which", ["smollm2", "dummy", "llama3-split"])
-def test_a_long_text_encoded_in_pieces_gives_the_whole_texts_ids(which: str, smollm2_gguf: Path, tmp_path: Path,
-                                                                 monkeypatch) -> None:
+def test_a_long_text_encoded_in_pieces_gives_the_whole_texts_ids(which: str, smollm2_gguf: Path,
+                                                                 tmp_path: Path) -> None:
     if which == "smollm2":
         tok = read_gguf(smollm2_gguf)[2]
     elif which == "dummy":
         tok = dummy_tokenizer(128256)
     else:
         tok = read_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", pre="llama-bpe"))[2]
-    monkeypatch.setattr(text_pieces, "PIECE_CHARS", 64)  # many cuts in a text a test can afford
+    tok.piece_chars = 64  # many cuts in a text a test can afford
     rng = random.Random(7)
     for _ in range(40):
         text = _long_text(rng, 300)
-        assert len(text_pieces.pieces(text)) > 5
+        assert len(text_pieces.pieces(text, tok.piece_chars)) > 5
         for special in (True, False):
             assert tok.encode(text, add_special_tokens=special) == \
                 tok._backend.encode(text, add_special_tokens=special).ids
@@ -261,3 +262,14 @@ def test_text_is_cut_only_at_a_space_between_letters() -> None:
     for part in parts[1:]:
         assert part[0] == " " and part[1].isalpha()
     assert text_pieces.pieces("1 2 3 " * 100, piece_chars=50) == ["1 2 3 " * 100]  # no letters: no cut
+    assert text_pieces.pieces(text, piece_chars=0) == [text]  # --tokenize-piece-chars 0: always whole
+
+
+@pytest.mark.parametrize("piece_chars", [0, 64])
+def test_the_engine_tokenizes_in_pieces_of_its_knob(piece_chars: int) -> None:
+    llm = LLM("smollm2-135m", max_model_len=4096, tokenize_piece_chars=piece_chars)
+    text = _long_text(random.Random(3), 400)
+    assert llm.tokenizer.piece_chars == piece_chars
+    assert llm.encode(text) == llm.tokenizer._backend.encode(text, add_special_tokens=True).ids
+    cut = len(text_pieces.pieces(text, llm.tokenizer.piece_chars))
+    assert (cut > 1) == (piece_chars > 0)

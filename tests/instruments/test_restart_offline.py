@@ -31,7 +31,8 @@ LADDER = """\
           - {name: T12, multi: true, flags: {kv-file-tier-bytes: 67108864, kv-host-tier-bytes: 67108864}}
     instruments:
       prefill: {lengths: [128], reps: 1}
-      restart: {context_tokens: 256, turn_tokens: 64, max_tokens: 4, modes: [restart, evict], evict_tokens: 400}
+      restart: {context_tokens: 256, turn_tokens: 64, resume_tokens: 16, max_tokens: 4, modes: [restart, evict],
+                evict_tokens: 400}
       offline: {prefill_lengths: [128], concurrency: 2, prompt_tokens: 16, decode_tokens: 4, repeats: 1}
     keep:
       metrics: [{metric: restart.resume_ttft_s, where: {mode: restart}}]
@@ -88,7 +89,9 @@ def test_a_host_tier_serves_the_history_after_other_prompts_evicted_it(tables) -
         if tier:
             assert cell(tables, arm, position, "restart", "resume_tier_tokens", mode="evict", tier=tier)["value"] == 256
         assert cell(tables, arm, position, "restart", "resume_matches_warm", mode="evict")["value"] == 1
-        assert "after 400 prompt tokens" in cell(tables, arm, position, "restart", "resume_ttft_s", mode="evict")["note"]
+        # The resume adds resume_tokens, not a turn, to the 256-token history.
+        note = cell(tables, arm, position, "restart", "resume_ttft_s", mode="evict")["note"]
+        assert "after 400 prompt tokens" in note and "272 prompt tokens" in note
 
 
 def test_a_restarted_engine_stays_one_warm_boot_of_the_planned_config(tables) -> None:

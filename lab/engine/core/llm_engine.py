@@ -59,6 +59,7 @@ class LLMEngine:
         self.caches.record_weights(self.loaded.cache_path if self.loaded.cold else None)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        self.tokenizer.piece_chars = config.tokenize_piece_chars
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ConfigError(f"--max-model-len {self.max_model_len} exceeds the model's context of "

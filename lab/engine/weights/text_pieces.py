@@ -6,15 +6,14 @@ is all host time before its first step."""
 
 from __future__ import annotations
 
-# Below this a text is encoded whole: a piece must be long enough that a thread's start pays.
+# The engine's default (--tokenize-piece-chars): below twice this a text is encoded whole.
 PIECE_CHARS = 4096
 
 
-def pieces(text: str, piece_chars: int | None = None) -> list[str]:
-    """`text` cut about every `piece_chars` (default PIECE_CHARS) characters at a space between
-    two letters (the text itself when it is shorter than two pieces, or offers no such space)."""
-    piece_chars = piece_chars or PIECE_CHARS
-    if len(text) < 2 * piece_chars:
+def pieces(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """`text` cut about every `piece_chars` characters at a space between two letters (the text
+    itself when it is shorter than two pieces, offers no such space, or `piece_chars` is 0)."""
+    if not piece_chars or len(text) < 2 * piece_chars:
         return [text]
     cuts = [0]
     at = piece_chars

@@ -84,6 +84,7 @@ class Tokenizer:
         self._chat_template = ChatTemplate(chat_template) if chat_template else None
         self._byte_level = _is_byte_level(backend)
         self._backend_size = backend.get_vocab_size(with_added_tokens=True)
+        self.piece_chars = text_pieces.PIECE_CHARS  # the engine sets --tokenize-piece-chars
 
     # -- construction -------------------------------------------------------------------------
 
@@ -181,7 +182,7 @@ class Tokenizer:
         written in the text are recognised, and a BOS is added when the model's tokenizer adds one.
         Pass `add_special_tokens=False` for text a chat template rendered (it writes its own BOS).
         A long text is encoded in pieces in parallel (`text_pieces.py`), to the same ids."""
-        parts = text_pieces.pieces(text) if self._cuts_safely else [text]
+        parts = text_pieces.pieces(text, self.piece_chars) if self._cuts_safely else [text]
         if len(parts) == 1:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         # The fast batch keeps no offsets; the post-processor's tokens are added around the whole.
