@@ -33,13 +33,16 @@ def tokenizer(model: str) -> Tokenizer:
     return read_gguf(bundled_model_path() if model == "smollm2-135m" else model)[2]
 
 
-def median_ms(work: Callable[[], object], repeats: int) -> float:
-    times = []
+def median_ms(works: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Each work's median milliseconds, the works taking turns within every repeat: whichever
+    runs first after another kind of work pays for waking the tokenizers library's threads."""
+    times: list[list[float]] = [[] for _ in works]
     for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
+        for work, spent in zip(works, times):
+            started = time.perf_counter()
+            work()
+            spent.append(time.perf_counter() - started)
+    return [1e3 * statistics.median(spent) for spent in times]
 
 
 def main() -> None:
@@ -48,8 +51,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2000, 8000, 32000, 131000],
                     help="random token ids decoded to make each text")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--piece-chars", type=int, nargs="+", default=[text_pieces.PIECE_CHARS],
-                    help="piece sizes to time (--tokenize-piece-chars; the engine's default is the default)")
+    ap.add_argument("--piece-chars", type=int, nargs="+", default=[0],
+                    help="piece sizes to time, as --tokenize-piece-chars takes them (0: by this host's cores)")
     args = ap.parse_args()
     tok = tokenizer(args.model)
     rng = random.Random(0)
@@ -58,13 +61,20 @@ def main() -> None:
         text = tok.decode([rng.randrange(1000, min(tok.vocab_size, 100_000)) for _ in range(n)])
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == tok._backend.encode(text, add_special_tokens=False).ids, "the pieces gave other ids"
-        whole = median_ms(lambda: tok._backend.encode(text, add_special_tokens=False), args.repeats)
+        def encode(chars: int) -> Callable[[], object]:
+            def work() -> object:
+                tok.piece_chars = chars
+                return tok.encode(text, add_special_tokens=False)
+            assert work() == ids, f"pieces of {chars} gave other ids"
+            return work
+
+        whole, *each = median_ms([lambda: tok._backend.encode(text, add_special_tokens=False)]
+                                 + [encode(chars) for chars in args.piece_chars], args.repeats)
         timed = []
-        for chars in args.piece_chars:
-            tok.piece_chars = chars
-            assert tok.encode(text, add_special_tokens=False) == ids, f"pieces of {chars} gave other ids"
-            ms = median_ms(lambda: tok.encode(text, add_special_tokens=False), args.repeats)
-            timed.append(f"pieces of {chars}: {ms:8.2f} ms ({whole / ms:.2f}x)")
+        for chars, ms in zip(args.piece_chars, each):
+            chosen = text_pieces.piece_chars_for(len(text), chars)
+            label = "whole" if chosen == text_pieces.WHOLE else f"pieces of {chosen}{' (by cores)' if not chars else ''}"
+            timed.append(f"{label}: {ms:8.2f} ms ({whole / ms:.2f}x)")
         print(f"  {len(ids):8,d} tokens ({len(text) / 1e3:5.0f} kB): whole {whole:8.2f} ms, " + ", ".join(timed))
 
 

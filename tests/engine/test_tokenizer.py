@@ -4,6 +4,7 @@ per-token text, chat templates; and the byte-level stand-in used with dummy weig
 from __future__ import annotations
 
 import datetime
+import os
 import random
 from pathlib import Path
 
@@ -262,14 +263,29 @@ def test_text_is_cut_only_at_a_space_between_letters() -> None:
     for part in parts[1:]:
         assert part[0] == " " and part[1].isalpha()
     assert text_pieces.pieces("1 2 3 " * 100, piece_chars=50) == ["1 2 3 " * 100]  # no letters: no cut
-    assert text_pieces.pieces(text, piece_chars=0) == [text]  # --tokenize-piece-chars 0: always whole
+    assert text_pieces.pieces(text, piece_chars=text_pieces.WHOLE) == [text]  # --tokenize-piece-chars -1
 
 
-@pytest.mark.parametrize("piece_chars", [0, 64])
+def test_by_default_a_text_is_cut_into_two_pieces_per_core_within_the_bounds() -> None:
+    # Timed on a 2-core and a 16-core host (docs/performance.md): 8 kB of text cut in 4 pieces on
+    # two cores, in 16 of 512 characters on sixteen; 132 kB in pieces of 4 kB on either.
+    assert text_pieces.piece_chars_for(8192, cores=2) == 2048
+    assert text_pieces.piece_chars_for(8192, cores=16) == text_pieces.MIN_PIECE_CHARS == 512
+    assert text_pieces.piece_chars_for(132_000, cores=2) == text_pieces.MAX_PIECE_CHARS == 4096
+    assert text_pieces.piece_chars_for(33_000, cores=16) == 1031
+    assert text_pieces.piece_chars_for(8192, 1024, cores=16) == 1024  # a size given is kept
+    assert text_pieces.piece_chars_for(8192, text_pieces.WHOLE, cores=16) == text_pieces.WHOLE
+    text = "word " * 1638  # 8,190 characters
+    cut = text_pieces.pieces(text)
+    assert "".join(cut) == text and 2 <= len(cut) <= 2 * len(os.sched_getaffinity(0)) + 1
+    assert text_pieces.pieces("word " * 200) == ["word " * 200]  # shorter than two of the smallest pieces
+
+
+@pytest.mark.parametrize("piece_chars", [-1, 64])
 def test_the_engine_tokenizes_in_pieces_of_its_knob(piece_chars: int) -> None:
     llm = LLM("smollm2-135m", max_model_len=4096, tokenize_piece_chars=piece_chars)
     text = _long_text(random.Random(3), 400)
     assert llm.tokenizer.piece_chars == piece_chars
     assert llm.encode(text) == llm.tokenizer._backend.encode(text, add_special_tokens=True).ids
     cut = len(text_pieces.pieces(text, llm.tokenizer.piece_chars))
-    assert (cut > 1) == (piece_chars > 0)
+    assert (cut > 1) == (piece_chars != text_pieces.WHOLE)

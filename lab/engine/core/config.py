@@ -102,9 +102,10 @@ class EngineConfig:
                              "processes (on CUDA, torch's default)", hashed_at_default=False)
     gil_switch_interval_ms: float = _knob(5.0, "served engine: longest the HTTP event loop holds the GIL while the "
                                           "step loop waits for it (sys.setswitchinterval; Python's default is 5)")
-    tokenize_piece_chars: int = _knob(4096, "a prompt longer than two pieces of this many characters is tokenized in "
-                                      "pieces on the tokenizers library's threads (byte-level BPE only; same ids); "
-                                      "0 = always whole", hashed_at_default=False)
+    tokenize_piece_chars: int = _knob(0, "a long prompt is tokenized in pieces of this many characters on the "
+                                      "tokenizers library's threads (byte-level BPE only; same ids); 0 = two "
+                                      "pieces per usable core, of 512 to 4096; -1 = always whole",
+                                      hashed_at_default=False)
     gc_freeze: bool = _knob(True, "served engine: freeze the start-up heap out of Python's garbage collector, so a "
                             "full pass does not walk it while a step waits")
     inject_step_delay_ms: float = _knob(0.0, "known cost for measuring the lab's power: every step that runs work "
@@ -199,7 +200,7 @@ def validate(cfg: EngineConfig) -> None:
             raise ConfigError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
     non_negative = ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "long_prefill_token_threshold",
                     "max_parallel_prefills", "lone_prefill_tokens", "max_waiting", "kv_host_tier_bytes",
-                    "kv_file_tier_bytes", "kv_file_tier_staging_bytes", "cpu_threads", "tokenize_piece_chars")
+                    "kv_file_tier_bytes", "kv_file_tier_staging_bytes", "cpu_threads")
     for name in non_negative:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(cfg, name)}")
@@ -221,6 +222,9 @@ def validate(cfg: EngineConfig) -> None:
                           f"({cfg.prompt_lookup_min})")
     if cfg.num_speculative_tokens > 64:
         raise ConfigError(f"--num-speculative-tokens must be at most 64, got {cfg.num_speculative_tokens}")
+    if cfg.tokenize_piece_chars < -1:
+        raise ConfigError(f"--tokenize-piece-chars must be -1 (whole), 0 (by the host's cores) or a size, "
+                          f"got {cfg.tokenize_piece_chars}")
     if cfg.prefix_cache_retention < -1:
         raise ConfigError(f"--prefix-cache-retention must be -1 (all) or >= 0, got {cfg.prefix_cache_retention}")
 

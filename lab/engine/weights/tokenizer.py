@@ -84,7 +84,7 @@ class Tokenizer:
         self._chat_template = ChatTemplate(chat_template) if chat_template else None
         self._byte_level = _is_byte_level(backend)
         self._backend_size = backend.get_vocab_size(with_added_tokens=True)
-        self.piece_chars = text_pieces.PIECE_CHARS  # the engine sets --tokenize-piece-chars
+        self.piece_chars = 0  # text_pieces.pieces' own choice; the engine sets --tokenize-piece-chars
 
     # -- construction -------------------------------------------------------------------------
 
