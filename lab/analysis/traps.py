@@ -25,6 +25,7 @@ from typing import Any
 from lab.analysis.stats import noise_band
 from lab.analysis.verdicts import RunEvidence, Selector, SlotCells, StoredCell
 from lab.instruments import REGISTRY
+from lab.instruments.decode import NO_TOKEN_TIMING
 from lab.ladder.ladder import Ladder
 from lab.ladder.yaml_lines import Located, dotted
 
@@ -87,10 +88,13 @@ def _ramp(evidence: RunEvidence, slot: SlotCells, located: Located) -> list[str]
             continue
         where = dict(selector.where)
         ttft, rate = _values(slot, "decode", "ttft_s", where), _values(slot, "decode", "stream_tok_s", where)
-        if not ttft or not rate or min(rate) <= 0:
+        if not ttft or (rate and min(rate) <= 0):
+            continue
+        if not rate and not _untimed(slot, where):
             continue
         first = statistics.median(ttft)
-        life = first + (decode.max_tokens - 1) / statistics.median(rate)
+        # With no rate, the streams' tokens came with their first chunk: their whole life was ramp.
+        life = first + ((decode.max_tokens - 1) / statistics.median(rate) if rate else 0.0)
         if first / life <= RAMP_SHARE:
             continue
         streams = where.get("level")
@@ -100,6 +104,13 @@ def _ramp(evidence: RunEvidence, slot: SlotCells, located: Located) -> list[str]
                      "follows queueing and prefill as much as decode; key decode.steady_agg_tok_s (the rate while "
                      f"{steady}) or raise {_fix(located, ('instruments', 'decode', 'max_tokens'))}")
     return found
+
+
+def _untimed(slot: SlotCells, where: dict[str, Any]) -> bool:
+    """Whether the decode level's stream rate is missing because a stream's tokens all came in the
+    chunk that carried its first (its requests succeeded with usage, so that is the only way left)."""
+    selector = Selector("decode", "stream_tok_s", tuple(sorted(where.items())))
+    return any(selector.matches(c) and not c.valid and c.note == NO_TOKEN_TIMING for c in slot.cells)
 
 
 def _mixed_delay(evidence: RunEvidence, slot: SlotCells, located: Located) -> list[str]:

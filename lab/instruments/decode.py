@@ -64,6 +64,9 @@ MAX_LEVEL = 256  # the streaming client's connection pool
 SPEC_COUNTERS = {"accepted": "spec_decode_num_accepted_tokens", "drafted": "spec_decode_num_draft_tokens",
                  "drafts": "spec_decode_num_drafts"}
 
+# Why a stream rate is missing when a stream delivered all its tokens with its first chunk.
+NO_TOKEN_TIMING = "a stream gave no per-token timing"
+
 
 class DecodeParams(PresetParams):
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -228,7 +231,7 @@ def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_
         rates = [r for i in kept if (r := receipts[i].decode_tokens_per_s) is not None]
         why = next((w for i, w in failed if i in members), None) or (
             "every stream was unvouched and excluded" if not kept else
-            None if len(rates) == len(kept) else "a stream gave no per-token timing")
+            None if len(rates) == len(kept) else NO_TOKEN_TIMING)
         cells.append(Cell("category_stream_tok_s", statistics.fmean(rates) if why is None else None, "tok/s",
                           {**level_params, "category": category}, run, valid=why is None,
                           note=why or _unvouched_note(receipts, members, left_out), requests=kept or members))
@@ -252,7 +255,7 @@ def _level_cells(level: int, run: int, receipts: list[Receipt], first: int, max_
     stream_rates = [receipts[i].decode_tokens_per_s for i in kept]
     stream = None if not kept or None in stream_rates else statistics.fmean(x for x in stream_rates if x is not None)
     ttft = statistics.median((receipts[i].ttft_ns or 0) / 1e9 for i in kept) if kept else None
-    no_stream = "every stream was unvouched and excluded" if not kept else "a stream gave no per-token timing"
+    no_stream = "every stream was unvouched and excluded" if not kept else NO_TOKEN_TIMING
     steady, steady_note = steady_agg_tok_s(mine, level)
     return cells + [
         Cell("agg_tok_s", agg, "tok/s", level_params, run, note=note + _unvouched_note(receipts, indexes, set(), "; "),

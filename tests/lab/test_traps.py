@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lab.analysis import traps
 from lab.analysis.verdicts import RunEvidence, SlotCells, StoredCell, metric_directions, rule_spec
+from lab.instruments.decode import NO_TOKEN_TIMING
 from lab.ladder.validate import parse_ladder
 from lab.ladder.yaml_lines import load
 from lab.store import reader
@@ -119,7 +120,7 @@ def first_boot(text: str, cells: list[StoredCell]) -> list[str]:
     return traps.first_boot(evidence, slot, located)
 
 
-def cell(instrument: str, metric: str, value: float, repeat: int = 0, valid: bool = True, note: str = "",
+def cell(instrument: str, metric: str, value: float | None, repeat: int = 0, valid: bool = True, note: str = "",
          **params: object) -> StoredCell:
     return StoredCell(instrument, metric, dict(params), repeat, value, "", valid, 1, note)
 
@@ -148,4 +149,18 @@ def test_each_trap_is_measured_against_its_own_limit() -> None:
     cells = [cell("decode", "ttft_s", 0.28, level=8), cell("decode", "stream_tok_s", 100.0, level=8),
              cell("decode", "steady_agg_tok_s", 101.0, 0, level=1),
              cell("decode", "steady_agg_tok_s", 99.0, 1, level=1), cell("mixed", "long_prefill_s", 0.06)]
+    assert first_boot(QUIET, cells) == []
+
+
+def test_streams_whose_tokens_all_came_with_the_first_are_all_ramp() -> None:
+    # A fast engine behind a slower HTTP layer sends a short stream in one chunk: no stream rate,
+    # and the aggregate is nothing but the wait for that chunk.
+    cells = [cell("decode", "ttft_s", 0.007, level=8),
+             cell("decode", "stream_tok_s", None, valid=False, note=NO_TOKEN_TIMING, level=8)]
+    found = first_boot(QUIET, cells)
+    assert len(found) == 1 and "decode.agg_tok_s[level=8] is 100% ramp" in found[0]
+    assert "first token came 0.007 s into its 0.007 s" in found[0]
+    # A rate missing because every stream was unvouched and excluded says nothing about the ramp.
+    cells[1] = cell("decode", "stream_tok_s", None, valid=False, note="every stream was unvouched and excluded",
+                    level=8)
     assert first_boot(QUIET, cells) == []

@@ -14,6 +14,7 @@ sizes timed on a 2-core and a 16-core host."""
 from __future__ import annotations
 
 import os
+from functools import cache
 
 # Shorter pieces stop paying even on many cores: each one is a task handed to a thread.
 MIN_PIECE_CHARS = 512
@@ -26,8 +27,16 @@ def piece_chars_for(text_chars: int, piece_chars: int = 0, cores: int | None = N
     else two pieces per core, within [MIN_PIECE_CHARS, MAX_PIECE_CHARS]."""
     if piece_chars:
         return piece_chars
-    per_core = text_chars // (2 * (cores or len(os.sched_getaffinity(0))))
+    per_core = text_chars // (2 * (cores or _usable_cores()))
     return min(MAX_PIECE_CHARS, max(MIN_PIECE_CHARS, per_core))
+
+
+@cache
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def pieces(text: str, piece_chars: int = 0) -> list[str]:
