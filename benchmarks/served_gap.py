@@ -29,6 +29,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +105,10 @@ def timed_request(client: httpx.Client, url: str, prompt: str | list[int]) -> Ti
     return Timed(ttft, tokens, {k: after[k] - before[k] for k in PHASES})
 
 
+def ms(values: Iterable[float]) -> float:
+    return 1000 * statistics.median(values)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="2000,8000", help="prompt lengths in tokens, comma-separated")
@@ -136,9 +141,6 @@ def main() -> None:
     for n in lengths:
         for form in ("text", "ids"):
             runs = served[(n, form)]
-
-            def ms(values) -> float:
-                return 1000 * statistics.median(values)
             client_ms = ms(r.client_ttft for r in runs)
             print(f"{n:7d} {form:>5} {client_ms:9.1f} {ms(r.http for r in runs):7.1f} {ms(r.host for r in runs):7.1f} "
                   f"{ms(r.phases['queue'] for r in runs):7.2f} {ms(r.phases['prefill'] for r in runs):9.1f} "
