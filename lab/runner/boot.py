@@ -24,6 +24,7 @@ import httpx
 import psutil
 
 from lab.engine.settings import ENV_PREFIX
+from lab.runner.errors import signals_held
 from lab.runner.parent_death import dies_with_parent
 
 LOG_TAIL_LINES = 50
@@ -89,9 +90,10 @@ class EngineProcess:
             # A list argv, no shell: what is stored is exactly what ran. The engine gets SIGTERM
             # from the kernel if the lab dies without stopping it (parent_death): started on the
             # lab's main thread, which lives as long as the lab.
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=dies_with_parent(signal.SIGTERM))
+            with signals_held():
+                self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             preexec_fn=dies_with_parent(signal.SIGTERM))
         self.started_ns = time.perf_counter_ns()
         try:  # read now: once the engine has exited and been reaped, its pid tells nothing
             self._created = psutil.Process(self.proc.pid).create_time()

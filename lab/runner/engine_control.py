@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lab.ladder.engines import Launch
+from lab.runner.errors import signals_held
 from lab.runner.parent_death import dies_with_parent
 from lab.runner.boot import EngineProcess, stop_group
 from lab.store import writer
@@ -62,17 +63,20 @@ class ProcessControl:
             with open(self.proc.log_path, "ab") as engine_log:
                 engine_log.write(f"\n== lab engine bench: {' '.join(argv)}\n".encode())
                 engine_log.flush()
-                bench = subprocess.Popen(argv, env=self.proc.env, stdin=subprocess.DEVNULL, stdout=engine_log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=dies_with_parent(signal.SIGTERM))
+                bench: subprocess.Popen[bytes] | None = None
                 try:
+                    with signals_held():
+                        bench = subprocess.Popen(argv, env=self.proc.env, stdin=subprocess.DEVNULL,
+                                                 stdout=engine_log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                 preexec_fn=dies_with_parent(signal.SIGTERM))
                     code: int | None = await asyncio.wait_for(_exit_status(bench), 3 * self.ready_timeout_s)
                 except asyncio.TimeoutError:
                     code = None
                 finally:  # timed out, or the lab is being stopped: the bench's group goes too
-                    if bench.poll() is None:
-                        stop_group(bench.pid, self.stop_grace_s)
-                    bench.wait()
+                    if bench is not None:
+                        if bench.poll() is None:
+                            stop_group(bench.pid, self.stop_grace_s)
+                        bench.wait()
             figures = json.loads(out.read_text()) if code == 0 and out.exists() else None
         await self._start_again()
         if figures is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 
 class RunError(RuntimeError):
@@ -34,3 +34,29 @@ def stop_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Within it, Ctrl-C and a SIGTERM that `stop_on_sigterm` handles wait, and act as the block ends.
+
+    Around starting a child: the exception a signal raises while `subprocess` forks runs in the
+    fork's own callbacks (logging's lock), where Python prints and drops it, and the lab would go
+    on as if never told to stop; raised while Popen waits for the exec, it would leave a child that
+    no caller holds, so no one stops it. Held, it is raised once the caller has the child."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous: dict[int, Any] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if callable(handler):  # SIG_DFL and SIG_IGN stay as they are
+            previous[signum] = signal.signal(signum, lambda got, frame: arrived.append(got))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(arrived):
+            previous[signum](signum, None)

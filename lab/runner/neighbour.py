@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from lab.ladder.ladder import Neighbour
 from lab.runner.boot import group_alive
+from lab.runner.errors import signals_held
 from lab.runner.parent_death import dies_with_parent
 
 log = logging.getLogger("lab.run")
@@ -38,15 +39,17 @@ def beside(neighbour: Neighbour, log_path: Path) -> Iterator[dict[str, Any]]:
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
 
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(neighbour.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=before_exec)
-    log.info("neighbour %s started (pid %d%s)", neighbour.command, proc.pid,
-             f", CPUs {sorted(cpus)}" if cpus else "")
+    proc: subprocess.Popen[bytes] | None = None
     try:
+        with open(log_path, "ab") as out, signals_held():
+            proc = subprocess.Popen(neighbour.command, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=before_exec)
+        log.info("neighbour %s started (pid %d%s)", neighbour.command, proc.pid,
+                 f", CPUs {sorted(cpus)}" if cpus else "")
         yield {"argv": list(neighbour.command), "cpus": neighbour.cpus, "pid": proc.pid, "log_path": str(log_path)}
     finally:
-        _stop(proc)
+        if proc is not None:
+            _stop(proc)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -128,3 +128,30 @@ def test_lab_run_killed_outright_takes_its_engine_with_it(tmp_path: Path, expect
     assert keys(db) == expected_keys
     [[status, reason]] = query(db, select(m.Boot.status, m.Boot.reason).where(m.Boot.id == engine.id))
     assert (status, reason) == ("interrupted", "lab run was killed during this boot")
+
+
+def test_a_stop_signal_while_a_child_starts_waits_until_the_lab_holds_the_child() -> None:
+    # The child sleeps before its exec, so the signal comes while Popen waits for it: raised there,
+    # it would leave a child no caller holds (and raised in the fork's own callbacks, Python drops it).
+    import os
+    import sys
+    import threading
+
+    from lab.runner.errors import Interrupted, signals_held, stop_on_sigterm
+
+    proc: subprocess.Popen[bytes] | None = None
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        with pytest.raises(Interrupted), stop_on_sigterm():
+            with signals_held():
+                timer.start()
+                proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                        preexec_fn=lambda: time.sleep(1.0))
+                assert timer.finished.is_set()  # the signal came before Popen returned, and waited
+            pytest.fail("the held SIGTERM was not raised when the block ended")
+        assert proc is not None and proc.poll() is None
+    finally:
+        timer.cancel()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
