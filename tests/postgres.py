@@ -32,6 +32,10 @@ class Server:
         """An immediate shutdown: what a crashed or unplugged database server looks like to a client."""
         _pg_ctl(["-w", "-m", "immediate", "stop"], self)
 
+    def running(self) -> bool:
+        """Whether its postmaster is up: `pg_ctl -w stop` returns once the postmaster removed this file."""
+        return (self.pgdata / "postmaster.pid").exists()
+
     def start(self) -> None:
         _pg_ctl(["-w", "-o", f"-h 127.0.0.1 -p {self.port} -k {self.pgdata}", "-l", str(self.pgdata / "log"),
                  "start"], self, timeout=60)
