@@ -44,11 +44,12 @@ chromium:
 	fi
 
 # Two workers: most tests wait on an engine they booted, so two overlap them well even on two
-# cores; more would crowd the tests that time an engine.
+# cores; more would crowd the tests that time an engine. A file's tests go to one worker, so a
+# module fixture (most boot an engine or run a ladder) is built once, not once per worker.
 TEST_WORKERS ?= 2
 
 test: $(STAMP) chromium
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 $(LLAMACPP_VENV)/.installed: Makefile
 	mkdir -p $(WHEELS)

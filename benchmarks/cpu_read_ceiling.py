@@ -60,7 +60,7 @@ def main() -> None:
 
         seconds = best_seconds(step, args.repeats)
         print(f"  gemv {str(dtype).removeprefix('torch.'):>8}: {wbytes / 2**20:.0f} MiB of weights in "
-              f"{seconds * 1e3:.2f} ms, {wbytes / seconds / 1e9:.3g} GB/s ({wbytes / seconds / read:.0%} of read)")
+              f"{seconds * 1e3:.2f} ms, {wbytes / seconds / 1e9:.3g} GB/s ({100 * wbytes / seconds / read:.3g}% of read)")
 
 
 if __name__ == "__main__":
