@@ -8,6 +8,7 @@ real one would store; only the figures are chosen by the test.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 from sqlalchemy import select
 
 from lab.ladder.ladder import Ladder
@@ -155,10 +157,19 @@ class Quickstart:
 
 
 @pytest.fixture(scope="session")
-def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Quickstart:
-    """`lab run` of the small quickstart once per test session, on the bundled engine and SmolLM2."""
-    directory = tmp_path_factory.mktemp("quickstart")
-    ladder = small_quickstart(directory)
-    done = lab_cli(["run", str(ladder), "--name", "qs", "--db", "lab.db", "--runs-dir", "runs"], directory)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return Quickstart(directory, directory / "lab.db", "qs", ladder)
+def quickstart(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Quickstart:
+    """`lab run` of the small quickstart once per test session, on the bundled engine and SmolLM2.
+    Test workers share it: the first to need it runs it under a lock, the others wait and read it
+    (the xdist recipe), since the files that use it often land on different workers."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # the session's folder, above each worker's
+    directory = shared / "quickstart"
+    with FileLock(shared / "quickstart.lock"):
+        if not (directory / "ran").exists():
+            shutil.rmtree(directory, ignore_errors=True)  # what a worker's failed run left
+            directory.mkdir()
+            ladder = small_quickstart(directory)
+            done = lab_cli(["run", str(ladder), "--name", "qs", "--db", "lab.db", "--runs-dir", "runs"], directory)
+            assert done.returncode == 0, done.stdout + done.stderr
+            (directory / "ran").write_text(str(ladder))
+    return Quickstart(directory, directory / "lab.db", "qs", Path((directory / "ran").read_text()))
