@@ -157,12 +157,13 @@ class Quickstart:
 
 
 @pytest.fixture(scope="session")
-def quickstart(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Quickstart:
+def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Quickstart:
     """`lab run` of the small quickstart once per test session, on the bundled engine and SmolLM2.
     Test workers share it: the first to need it runs it under a lock, the others wait and read it
     (the xdist recipe), since the files that use it often land on different workers."""
     base = tmp_path_factory.getbasetemp()
-    shared = base if worker_id == "master" else base.parent  # the session's folder, above each worker's
+    # Under xdist the session's folder is above each worker's; without it, the run's own folder.
+    shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
     directory = shared / "quickstart"
     with FileLock(shared / "quickstart.lock"):
         if not (directory / "ran").exists():
